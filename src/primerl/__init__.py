@@ -1,0 +1,2 @@
+"""primerl: asynchronous RL for language-model agents."""
+__version__ = "0.1.0"

@@ -1,0 +1,51 @@
+"""Base classes of every primerl config: sections forbid unknown keys; process configs are pydantic-settings models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from primerl.config.loader import ENV_NESTED, ENV_PREFIX, FILE_LAYER
+
+
+class Section(BaseModel):
+    """A table of a config file. Unknown keys are errors, never silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class _FileSource(PydanticBaseSettingsSource):
+    """The TOML files of the current `load` call, already merged (includes and `@` files, left to right)."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return FILE_LAYER.get().get(field_name), field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        return dict(FILE_LAYER.get())
+
+
+class ProcessConfig(BaseSettings):
+    """The top-level config of one process. Priority: command line > PRIMERL_* environment > TOML files > defaults."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_nested_delimiter=ENV_NESTED,
+        extra="forbid",
+        validate_assignment=True,
+        protected_namespaces=(),
+        nested_model_default_partial_update=True,
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, _FileSource(settings_cls)
