@@ -1,0 +1,164 @@
+"""Metrics: one JSON object per line in `<run>/metrics.jsonl`, a console line per step, optional W&B, PNG plots.
+
+Every process appends its own records ({"step", "source", "time", ...metrics}) to the run's metrics.jsonl. Each record
+is one `write` of one line on a file opened with O_APPEND, so records from concurrent processes never interleave.
+`primerl plot RUN_DIR` turns the file into PNGs under `<run>/plots/`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLogger:
+    """Appends step records to `<run_dir>/metrics.jsonl` and, when `wandb_project` is set, to Weights & Biases."""
+
+    def __init__(self, run_dir: str | os.PathLike, source: str, wandb_project: str | None = None, enabled: bool = True):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.source = source
+        self.enabled = enabled
+        self._wandb = None
+        if enabled:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            if wandb_project:
+                import wandb  # optional: only when asked for
+
+                self._wandb = wandb.init(project=wandb_project, name=f"{Path(run_dir).name}-{source}", resume="allow")
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        record = {"step": int(step), "source": self.source, "time": round(time.time(), 3)}
+        record.update({k: _jsonable(v) for k, v in metrics.items()})
+        if self.enabled:
+            line = (json.dumps(record, allow_nan=False, default=str) + "\n").encode()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line)
+            finally:
+                os.close(fd)
+            if self._wandb is not None:
+                self._wandb.log({f"{self.source}/{k}": v for k, v in record.items() if isinstance(v, int | float)},
+                                step=int(step))
+        return record
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and callable(value.item):  # numpy / torch scalars
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(run_dir: str | os.PathLike, source: str | None = None) -> list[dict[str, Any]]:
+    """All records of a run (optionally of one source), skipping a torn last line of a run that is still writing."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if source is None or record.get("source") == source:
+            out.append(record)
+    return out
+
+
+def format_line(step: int, metrics: Mapping[str, Any], keys: Iterable[str], prefix: str = "") -> str:
+    """`step 3 | loss 0.1234 | lr 1.0e-05 | ...` with compact number formatting, missing keys left out."""
+    parts = [f"{prefix}step {step}"]
+    for key in keys:
+        value = metrics.get(key)
+        if value is None:
+            continue
+        parts.append(f"{key} {_fmt(value)}")
+    return " | ".join(parts)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if value != 0 and (abs(value) < 1e-3 or abs(value) >= 1e5):
+        return f"{value:.2e}"
+    return f"{value:.4g}"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Plots
+
+# (file name, title, [(source, metric key), ...]) — a plot is written when any of its series has data.
+PLOTS: list[tuple[str, str, list[tuple[str, str]]]] = [
+    ("reward.png", "mean reward", [("orchestrator", "reward_mean")]),
+    ("loss.png", "trainer loss", [("trainer", "loss"), ("sft", "loss")]),
+    ("throughput.png", "throughput (tokens/s)", [("trainer", "tokens_per_s"), ("sft", "tokens_per_s"),
+                                                  ("orchestrator", "tokens_per_s")]),
+]
+
+
+def plot_run(run_dir: str | os.PathLike) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out_dir = Path(run_dir) / "plots"
+    written = []
+    for filename, title, series in PLOTS:
+        lines = []
+        for source, key in series:
+            points = sorted((r["step"], r[key]) for r in records if r.get("source") == source and
+                            isinstance(r.get(key), int | float))
+            if points:
+                lines.append((f"{source}/{key}", points))
+        if not lines:
+            continue
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
+        for label, points in lines:
+            xs, ys = zip(*points)
+            ax.plot(xs, ys, marker="o", markersize=3, label=label)
+        ax.set_xlabel("step")
+        ax.set_title(f"{title} — {Path(run_dir).name}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / filename
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="primerl plot", description="Write PNG plots of a run's metrics.jsonl.")
+    parser.add_argument("run_dir")
+    args = parser.parse_args(argv)
+    if not (Path(args.run_dir) / METRICS_FILE).is_file():
+        print(f"primerl plot: error: no {METRICS_FILE} in {args.run_dir}", file=sys.stderr)
+        return 2
+    written = plot_run(args.run_dir)
+    if not written:
+        print(f"primerl plot: error: {args.run_dir}/{METRICS_FILE} has no plottable metrics", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,46 @@
+"""Shared fixtures. Models come from primerl's own registry (built or converted once, then cached)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir() -> Path:
+    from primerl.models import resolve_model
+
+    return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from primerl.models import resolve_model
+
+    return resolve_model("smollm2-135m-instruct")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def port() -> int:
+    return free_port()
+
+
+_TIER_ORDER = {"integration": 2, "slow": 1, "system": 3}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run cheap tests first: unit tests, then tests on the embedded model, then integration, then system tests
+    (which start daemons). A quick failure is reported before the heavy set-up begins."""
+
+    def tier(item) -> int:
+        return max((_TIER_ORDER[m.name] for m in item.iter_markers() if m.name in _TIER_ORDER), default=0)
+
+    items.sort(key=tier)

@@ -1,0 +1,69 @@
+import dataclasses
+import hashlib
+import json
+
+import pytest
+
+from primerl import models
+from primerl.models import ModelError, resolve_model
+
+
+def _digest(directory):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
+
+
+def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
+    models.build_tiny_model(tmp_path)
+    assert _digest(tmp_path) == _digest(tiny_model_dir)
+
+
+def test_tiny_model_loads_with_chat_template(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.eos_token == "<|im_end|>"
+    assert model.config.vocab_size == len(tok)
+
+
+def test_local_directory_and_errors(tmp_path, tiny_model_dir):
+    assert resolve_model(str(tiny_model_dir)) == tiny_model_dir
+    with pytest.raises(ModelError, match="has no config.json"):
+        resolve_model(str(tmp_path))
+    with pytest.raises(ModelError, match="unknown model 'no-such-model'"):
+        resolve_model("no-such-model")
+
+
+def test_hub_model_missing_from_cache_says_how_to_fetch_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="never downloads at run time.*hf download Qwen/Qwen3-0.6B --revision abc"):
+        resolve_model("Qwen/Qwen3-0.6B", revision="abc")
+
+
+@pytest.mark.slow
+def test_gguf_with_wrong_hash_is_refused(tmp_path):
+    tampered = dataclasses.replace(models.SMOLLM2, gguf_sha256="0" * 64)
+    with pytest.raises(ModelError, match=f"sha256 mismatch: pinned {'0' * 64}, found {models.SMOLLM2.gguf_sha256}"):
+        models.fetch_gguf(tampered, tmp_path)
+
+
+@pytest.mark.slow
+def test_embedded_model_is_the_converted_smollm2(smollm2_dir):
+    from safetensors import safe_open
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    with safe_open(smollm2_dir / "model.safetensors", "np") as f:
+        n_params = sum(f.get_slice(k).get_shape()[0] * (f.get_slice(k).get_shape() + [1])[1] for k in f.keys())
+    assert round(n_params / 1e6, 1) == 134.5
+    assert models.SMOLLM2.gguf_sha256 in (smollm2_dir / "PRIMERL_SOURCE").read_text()
+
+
+def test_models_cli_lists_registry(capsys):
+    assert models.main(["list"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m-instruct" in out and "tiny" in out
