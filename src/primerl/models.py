@@ -54,7 +54,7 @@ SMOLLM2 = EmbeddedModel(
 )
 
 # Bump when the tiny model's recipe changes, so stale caches are never reused.
-TINY_VERSION = "v1"
+TINY_VERSION = "v2"
 
 CHATML_TEMPLATE = (
     "{% if tools %}"
@@ -230,8 +230,11 @@ def _tiny_corpus() -> list[str]:
     return lines
 
 
+TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
 def build_tiny_tokenizer(vocab_size: int = 1024):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -245,6 +248,8 @@ def build_tiny_tokenizer(vocab_size: int = 1024):
         show_progress=False,
     )
     tok.train_from_iterator(_tiny_corpus(), trainer=trainer)
+    # Single tokens for the tool-call tags, as in Qwen-style tokenizers, so renderers can parse tool calls from ids.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TAGS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<|im_start|>",

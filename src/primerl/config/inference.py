@@ -1,0 +1,47 @@
+"""Config of `primerl inference`: which model to serve, with which engine, where to listen, and the admin token."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr
+
+from primerl.config.base import ProcessConfig, Section
+from primerl.config.common import ModelConfig
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+
+class VLLMSection(Section):
+    """Options only the vLLM engine reads."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory vLLM may claim")
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model replica is sharded over")
+    enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
+
+
+class InferenceConfig(ProcessConfig):
+    """Serve a model over the OpenAI-compatible HTTP API (chat completions, the token route, admin routes)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the model to serve")
+    engine: Literal["hf", "vllm"] = Field("hf", description="hf = embedded engine (CPU or GPU); vllm = GPU, needs vllm")
+    device: str = Field("auto", description="hf engine: auto (CUDA when present, else CPU), cpu, cuda, cuda:N")
+    served_model_name: str | None = Field(None, description="name clients pass as `model` (default: model.name)")
+    host: str = Field("127.0.0.1", description="bind address; loopback unless you mean to expose the server")
+    port: int = Field(8000, ge=0, le=65535, description="TCP port (0 = any free port, printed at start)")
+    admin_token: SecretStr | None = Field(
+        None,
+        description="bearer token for /admin/*; read from PRIMERL_ADMIN_TOKEN; generated at start when unset",
+    )
+    admin_token_file: Path | None = Field(
+        None, description="write the admin token in use to this file (mode 0600) so a launcher can read it"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context length (prompt + completion); default: the model's own limit"
+    )
+    max_batch_size: int = Field(32, ge=1, description="sequences decoded together at most")
+    max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
+    seed: int = Field(0, description="seeds the per-request seeds drawn for requests that bring none")
+    log_level: LogLevel = Field("info", description="debug | info | warning | error")
+    vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")
