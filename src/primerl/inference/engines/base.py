@@ -1,0 +1,126 @@
+"""The contract between the inference server and a generation engine.
+
+An engine works on token ids: it takes a prompt as ids, streams back the sampled ids with their logprobs and the
+policy version that produced each, and ends every request with exactly one `Finish`. It owns the model weights
+(reloaded in place by `update_weights`) and can be paused between decode steps. Tokenization and chat templates
+belong to the caller; the engine exposes its `tokenizer` and `eos_token_ids` so the caller can use them.
+
+Semantics every engine keeps:
+
+- `generate` is an async generator: `TokenEvent`s as tokens are sampled, then one `Finish`. Closing the generator
+  early (the consumer is cancelled or breaks out) aborts the request and frees its slot.
+- Token ids include the token that ended the request (an eos/stop token id, or the token that completed a stop
+  string); `Finish.stop` names what matched, and the caller cuts the text before the first occurrence of a matched
+  stop string.
+- `TokenEvent.logprob` is the log-probability of the sampled token under the distribution it was sampled from:
+  softmax(logits / temperature), restricted to the top-k / top-p set and renormalized. With top_k=-1 and top_p=1
+  (the RL setting) this equals what a trainer computes from logits / temperature. For greedy requests
+  (temperature 0) it is the log-probability under softmax(logits), the untempered distribution.
+- A request with a `seed` gets the same tokens for the same prompt, parameters and weights, whatever else is in the
+  batch. A request without one draws a fresh seed.
+- `prompt_tokens + completion_tokens <= max_model_len`; a longer prompt (or an empty one) raises `ValueError` from
+  `generate` before anything is yielded.
+- `update_weights` applies new weights between two decode steps; requests in flight continue under them and their
+  tokens carry the new `policy_version` (= the `step` passed).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. The server validates values; engines may assume they are sane
+    (max_tokens >= 1, temperature >= 0, 0 < top_p <= 1, top_k == -1 or >= 1)."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    stop: list[str] = field(default_factory=list)  # generation ends once the decoded completion contains one
+    stop_token_ids: list[int] = field(default_factory=list)  # in addition to eos_token_ids unless ignore_eos
+    ignore_eos: bool = False
+    seed: int | None = None
+    logprobs: bool = True  # engines may always compute them; the caller decides what to return
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One sampled token."""
+
+    token_id: int
+    logprob: float
+    policy_version: int
+
+
+@dataclass(frozen=True)
+class Finish:
+    """The last event of a request."""
+
+    reason: FinishReason
+    policy_versions: tuple[int, int]  # (first, last) policy version among the sampled tokens; (v, v) if none
+    prompt_tokens: int
+    completion_tokens: int
+    stop: str | int | None = None  # the stop string or stop token id that ended the request (reason "stop")
+
+
+Event = TokenEvent | Finish
+
+
+class Engine(ABC):
+    """A generation engine serving one model. Construct it, `await start()`, then call `generate` concurrently from
+    the asyncio loop that started it; `await stop()` when done."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    policy_version: int = 0
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Load the model and start scheduling. Must be awaited on the loop that will call `generate`."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Abort every request in flight (each gets `Finish(reason="abort")`) and release the model."""
+
+    @abstractmethod
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
+        """Stream `TokenEvent`s for a completion of `prompt_ids`, then exactly one `Finish`.
+
+        Raises ValueError (before yielding) when the prompt is empty or leaves no room under `max_model_len`, and
+        RuntimeError when the engine is not running. `request_id` must be unique among requests in flight."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Abort a request in flight (no-op for unknown ids); its stream ends with `Finish(reason="abort")`."""
+
+    @abstractmethod
+    async def update_weights(self, path: str | Path, step: int) -> None:
+        """Load safetensors weights (`model.safetensors` or sharded `*.safetensors` in directory `path`) in place,
+        between two decode steps, and set `policy_version = step`. Returns once the new weights are live.
+        Raises (and keeps the old weights) if a tensor is missing or has the wrong shape."""
+
+    @abstractmethod
+    async def pause(self) -> None:
+        """Stop scheduling decode steps; returns once the step in progress (if any) has finished. Requests wait,
+        new ones are queued."""
+
+    @abstractmethod
+    async def resume(self) -> None:
+        """Continue scheduling after `pause`."""
+
+    @abstractmethod
+    def healthy(self) -> bool:
+        """True while the engine is started and its scheduler is alive."""

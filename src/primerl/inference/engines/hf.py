@@ -1,0 +1,415 @@
+"""The embedded engine: continuous batching over a transformers model, on CPU or one GPU.
+
+Contract: works on token ids (see `base`); a scheduler thread owns the model and runs one step at a time — admit
+waiting requests (one batched prefill, each samples its first token), then one decode forward for every running
+row; a request that arrives mid-decode joins at the next step. Weight updates, pauses and aborts are applied between
+steps. Events cross to the asyncio loop once per step.
+
+The scheduler is a thread rather than an asyncio task so that torch work, which releases the GIL, never stalls the
+server's event loop: HTTP parsing, streaming and admin routes stay responsive while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import random
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from primerl.inference.engines.base import Engine, Event, Finish, FinishReason, SamplingParams, TokenEvent
+from primerl.inference.engines.decoders import Decoder, ReferenceDecoder
+from primerl.inference.engines.sampling import SamplingBatch, sample
+
+DecoderKind = Literal["auto", "fast", "reference"]
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(eq=False)
+class _Request:
+    """A request as the scheduler sees it: inputs, its output stream, and what it has produced so far."""
+
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    stream: asyncio.Queue[Event]
+    rng: random.Random
+    stop_ids: frozenset[int]
+    stop_window: int  # trailing tokens to decode when looking for stop strings
+    completion: list[int] = field(default_factory=list)
+    versions: tuple[int, int] | None = None
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+
+class HFEngine(Engine):
+    """Continuous-batching engine over a Hugging Face causal LM.
+
+    `model` is a local model directory or a name `primerl.models.resolve_model` knows. `device`/`dtype` "auto" pick
+    CUDA + bfloat16 when a GPU is present, else CPU + float32. `max_batch_size` rows decode together; more requests
+    wait. `decoder` "fast" uses the static-KV-cache decoder (Llama/Qwen families), "reference" the uncached HF
+    forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        model_name: str | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        max_batch_size: int = 64,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 8192,
+        decoder: DecoderKind = "auto",
+        cuda_graphs: bool | None = None,
+    ):
+        self.model_source = model
+        self.model_name = model_name or str(model)
+        self.device = torch.device(
+            "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+        )
+        if dtype == "auto":
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            self.dtype = _DTYPES[dtype]
+        self.max_batch_size = max_batch_size
+        self.requested_max_model_len = max_model_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.decoder_kind = decoder
+        self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.policy_version = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._in_flight: set[str] = set()
+        self._error: BaseException | None = None
+        # scheduler-thread state
+        self._waiting: deque[_Request] = deque()
+        self._rows: list[_Request] = []
+        self._outbox: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._paused = False
+        self._stopping = False
+
+    # ----------------------------------------------------------------------------------------------- lifecycle
+
+    async def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("engine already started")
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self._load)
+        self._thread = threading.Thread(target=self._run, name="primerl-engine", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(self.model_source)
+        if not path.is_dir():
+            from primerl.models import resolve_model
+
+            path = resolve_model(str(self.model_source))
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
+        model_limit = self.model.config.max_position_embeddings
+        self.max_model_len = min(self.requested_max_model_len or model_limit, model_limit)
+        self.decoder = self._build_decoder()
+
+    def _build_decoder(self) -> Decoder:
+        if self.decoder_kind == "reference":
+            return ReferenceDecoder(self.model, self.max_batch_size)
+        from primerl.inference.engines.llama import LlamaDecoder
+
+        if LlamaDecoder.supports(self.model):
+            return LlamaDecoder(self.model, self.max_batch_size, self.max_model_len, cuda_graphs=self.cuda_graphs)
+        if self.decoder_kind == "fast":
+            raise ValueError(f"no fast decoder for model type {self.model.config.model_type!r}; use 'reference'")
+        return ReferenceDecoder(self.model, self.max_batch_size)
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._inbox.put(("stop",))
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    def healthy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._error is None
+
+    # ------------------------------------------------------------------------------------------------ requests
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
+        if not self.healthy():
+            raise RuntimeError(f"engine is not running{f': {self._error!r}' if self._error else ''}")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} leaves no "
+                "room for a completion"
+            )
+        if request_id in self._in_flight:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
+        request = _Request(
+            request_id=request_id,
+            prompt=list(prompt_ids),
+            params=params,
+            stream=asyncio.Queue(),
+            rng=random.Random(params.seed if params.seed is not None else random.getrandbits(63)),
+            stop_ids=frozenset(stop_ids),
+            stop_window=max((len(s.encode()) for s in params.stop), default=0) + 2,
+        )
+        return self._stream(request)
+
+    async def _stream(self, request: _Request) -> AsyncIterator[Event]:
+        self._in_flight.add(request.request_id)
+        self._inbox.put(("submit", request))
+        finished = False
+        try:
+            while not finished:
+                event = await request.stream.get()
+                finished = isinstance(event, Finish)
+                yield event
+        finally:
+            self._in_flight.discard(request.request_id)
+            if not finished:
+                self._inbox.put(("abort", request.request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    # ------------------------------------------------------------------------------------------- admin routes
+
+    async def update_weights(self, path: str | Path, step: int) -> None:
+        tensors = await asyncio.to_thread(self._read_weights, Path(path))
+        await self._call_scheduler("weights", tensors, step)
+
+    async def pause(self) -> None:
+        await self._call_scheduler("pause")
+
+    async def resume(self) -> None:
+        await self._call_scheduler("resume")
+
+    async def _call_scheduler(self, command: str, *args: Any) -> None:
+        if not self.healthy():
+            raise RuntimeError("engine is not running")
+        done = asyncio.get_running_loop().create_future()
+        self._inbox.put((command, *args, done))
+        await done
+
+    def _read_weights(self, path: Path) -> dict[str, torch.Tensor]:
+        """Read a weights directory and check it against the model: every parameter present (a tied alias is
+        enough), no unknown tensor, shapes equal. Returns tensors keyed by the model's parameter names."""
+        from safetensors.torch import load_file
+
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"no safetensors weights at {path}")
+        loaded: dict[str, torch.Tensor] = {}
+        for file in files:
+            loaded.update(load_file(file))
+        aliases = dict(self.model.named_parameters(remove_duplicate=False))
+        params = dict(self.model.named_parameters())
+        canonical = {id(p): name for name, p in params.items()}
+        tensors: dict[str, torch.Tensor] = {}
+        for name, tensor in loaded.items():
+            if name not in aliases:
+                raise ValueError(f"{path}: unknown tensor {name!r}")
+            target = canonical[id(aliases[name])]
+            if tensor.shape != params[target].shape:
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, model expects {tuple(params[target].shape)}"
+                )
+            tensors[target] = tensor
+        missing = sorted(set(params) - set(tensors))
+        if missing:
+            raise ValueError(f"{path}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        return tensors
+
+    # ------------------------------------------------------------------------------------------ scheduler thread
+
+    def _run(self) -> None:
+        try:
+            with torch.inference_mode():
+                while not self._stopping:
+                    self._handle_inbox(block=self._paused or not (self._rows or self._waiting))
+                    if self._stopping or self._paused:
+                        continue
+                    self._admit()
+                    if self._rows:
+                        self._decode_step()
+                    self._flush()
+        except BaseException as error:  # the engine is dead: tell every waiting consumer
+            self._error = error
+            raise
+        finally:
+            for request in [*self._rows, *self._waiting]:
+                self._finish(request, "abort")
+            self._rows.clear()
+            self._waiting.clear()
+            self._flush()
+
+    def _handle_inbox(self, block: bool) -> None:
+        messages = [self._inbox.get()] if block else []
+        while True:
+            try:
+                messages.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for command, *args in messages:
+            if command == "submit":
+                self._waiting.append(args[0])
+            elif command == "abort":
+                self._abort(args[0])
+            elif command == "weights":
+                tensors, step, done = args
+                self._apply_weights(tensors, step, done)
+            elif command == "pause":
+                self._paused = True
+                self._resolve(args[0])
+            elif command == "resume":
+                self._paused = False
+                self._resolve(args[0])
+            elif command == "stop":
+                self._stopping = True
+
+    def _resolve(self, future: asyncio.Future[None], error: BaseException | None = None) -> None:
+        def settle() -> None:
+            if not future.done():
+                future.set_exception(error) if error else future.set_result(None)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(settle)
+
+    def _apply_weights(self, tensors: dict[str, torch.Tensor], step: int, done: asyncio.Future[None]) -> None:
+        params = dict(self.model.named_parameters())
+        try:
+            for name, tensor in tensors.items():
+                params[name].copy_(tensor)
+            self.decoder.weights_changed()
+        except BaseException as error:
+            self._resolve(done, error)
+            raise
+        self.policy_version = step
+        self._resolve(done)
+
+    def _abort(self, request_id: str) -> None:
+        for index, request in enumerate(self._rows):
+            if request.request_id == request_id:
+                self._finish(request, "abort")
+                self._remove_rows([index])
+                return
+        for request in self._waiting:
+            if request.request_id == request_id:
+                self._waiting.remove(request)
+                self._finish(request, "abort")
+                return
+
+    def _admit(self) -> None:
+        """Prefill as many waiting requests as there are free rows (within the prefill token budget)."""
+        admitted: list[_Request] = []
+        budget = self.max_prefill_tokens
+        while self._waiting and len(self._rows) + len(admitted) < self.decoder.max_rows:
+            if admitted and len(self._waiting[0].prompt) > budget:
+                break
+            request = self._waiting.popleft()
+            budget -= len(request.prompt)
+            admitted.append(request)
+        if not admitted:
+            return
+        first_row = len(self._rows)
+        self._rows.extend(admitted)
+        logits = self.decoder.prefill(first_row, [r.prompt for r in admitted])
+        self._sample_rows(logits, first_row)
+
+    def _decode_step(self) -> None:
+        tokens = [r.completion[-1] for r in self._rows]
+        positions = [r.length - 1 for r in self._rows]
+        logits = self.decoder.decode(tokens, positions)
+        self._sample_rows(logits, 0)
+
+    def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
+        """Sample the next token of rows first_row.. from `logits`, emit them, retire finished rows."""
+        requests = self._rows[first_row:]
+        batch = SamplingBatch.build(
+            [r.params for r in requests],
+            [1.0 - r.rng.random() for r in requests],
+            vocab=logits.shape[-1],
+            device=logits.device,
+        )
+        token_ids, logprobs = sample(logits, batch)
+        on_host = torch.stack((token_ids.double(), logprobs.double())).cpu()  # one device-to-host copy
+        token_ids, logprobs = [int(t) for t in on_host[0].tolist()], on_host[1].tolist()
+        finished = []
+        for offset, (request, token, logprob) in enumerate(zip(requests, token_ids, logprobs, strict=True)):
+            if self._accept(request, token, logprob):
+                finished.append(first_row + offset)
+        self._remove_rows(finished)
+
+    def _accept(self, request: _Request, token: int, logprob: float) -> bool:
+        """Record a sampled token; returns True when the request is finished."""
+        version = self.policy_version
+        request.completion.append(token)
+        request.versions = (request.versions[0] if request.versions else version, version)
+        self._outbox.append((request.stream, TokenEvent(token, logprob, version)))
+        params = request.params
+        if token in request.stop_ids:
+            self._finish(request, "stop", token)
+        elif params.stop and (matched := self._matched_stop_string(request)) is not None:
+            self._finish(request, "stop", matched)
+        elif len(request.completion) >= params.max_tokens or request.length >= self.max_model_len:
+            self._finish(request, "length")
+        else:
+            return False
+        return True
+
+    def _matched_stop_string(self, request: _Request) -> str | None:
+        tail = self.tokenizer.decode(request.completion[-request.stop_window :], skip_special_tokens=False)
+        return next((s for s in request.params.stop if s in tail), None)
+
+    def _finish(self, request: _Request, reason: FinishReason, stop: str | int | None = None) -> None:
+        versions = request.versions or (self.policy_version, self.policy_version)
+        finish = Finish(reason, versions, len(request.prompt), len(request.completion), stop)
+        self._outbox.append((request.stream, finish))
+
+    def _remove_rows(self, indices: list[int]) -> None:
+        """Drop finished rows, keeping rows 0..n-1 in use: the last row moves into each hole."""
+        for index in sorted(indices, reverse=True):
+            last = len(self._rows) - 1
+            if index != last:
+                self.decoder.move_row(last, index, self._rows[last].length)
+                self._rows[index] = self._rows[last]
+            self._rows.pop()
+
+    def _flush(self) -> None:
+        if not self._outbox:
+            return
+        outbox, self._outbox = self._outbox, []
+
+        def deliver() -> None:
+            for stream, event in outbox:
+                stream.put_nowait(event)
+
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(deliver)
+
+
+def _eos_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    if configured is not None:
+        ids.update([configured] if isinstance(configured, int) else configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

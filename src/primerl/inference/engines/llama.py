@@ -1,0 +1,316 @@
+"""A compact forward for Llama-family models (Llama, Qwen2, Qwen3) with a static KV cache, for fast batched decode.
+
+It reads the Hugging Face model's own parameters (q/k/v and gate/up fused into one matmul each, the HF parameters
+re-pointed at slices of the fused tensors, so in-place weight updates apply at once) and computes what the
+HF forward computes: RMSNorm in float32, rotary embeddings from the model's `inv_freq`, grouped-query attention
+through torch SDPA with a per-row length mask, SwiGLU, optional q/k norms (Qwen3) and projection biases (Qwen2).
+
+The KV cache is one tensor per layer, [rows, kv_heads, capacity, head_dim]; capacity doubles (up to max_len) as
+sequences grow. A decode step attends to the first `span` positions of rows 0..n-1, `span` a power of two that
+covers the longest row, so its shapes are static per (row bucket, span): on CUDA each such shape is captured once
+as a CUDA graph and replayed, which removes the per-kernel launch cost that bounds small-batch decode.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from primerl.inference.engines.decoders import Decoder
+
+_SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
+_MIN_SPAN = 128
+
+
+def _onednn_bf16() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the weights (and biases) of `linears` along the output dimension and make each module's
+    parameters views into the result. Returns (weight, bias or None)."""
+    fused = []
+    for attribute in ("weight", "bias"):
+        parts = [getattr(linear, attribute) for linear in linears]
+        if parts[0] is None:
+            fused.append(None)
+            continue
+        whole = torch.cat([p.data for p in parts])
+        offset = 0
+        for part in parts:
+            part.data = whole[offset : offset + part.shape[0]]
+            offset += part.shape[0]
+        fused.append(whole)
+    return fused[0], fused[1]
+
+
+class _Projection:
+    """One matmul of the forward, x @ weight.T (+ bias). With `prepack` (bfloat16 on CPU) it multiplies by a copy of
+    the weight laid out once for oneDNN, which saves the re-layout every call otherwise pays; `refresh()` re-packs
+    after the weight changed in place."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool):
+        self.weight, self.bias, self.prepack = weight, bias, prepack
+        self.packed: torch.Tensor | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.prepack:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def _bucket(n: int, buckets: list[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class LlamaDecoder(Decoder):
+    """Static-KV-cache decoder over a Llama-family HF model; see the module docstring."""
+
+    @staticmethod
+    def supports(model: PreTrainedModel) -> bool:
+        config = model.config
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        return (
+            config.model_type in _SUPPORTED_TYPES
+            and config.hidden_act == "silu"
+            and rope_type != "dynamic"
+            and not getattr(config, "use_sliding_window", False)
+            and not getattr(config, "mlp_bias", False)
+        )
+
+    def __init__(self, model: PreTrainedModel, max_rows: int, max_len: int, cuda_graphs: bool = False):
+        config = model.config
+        self.model = model
+        self.max_rows = max_rows
+        self.max_len = max_len
+        self.layers = list(model.model.layers)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.qk_norm = hasattr(self.layers[0].self_attn, "q_norm")
+        self.device = model.device
+        self.dtype = model.dtype
+        # q/k/v and gate/up each become one matmul: the HF parameters are re-pointed at slices of the fused
+        # tensors, so the model is unchanged for every other user and in-place weight updates reach both.
+        prepack = self.device.type == "cpu" and model.dtype == torch.bfloat16 and _onednn_bf16()
+        self.projections = [
+            {
+                "qkv": _Projection(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), prepack),
+                "o": _Projection(attn.o_proj.weight, attn.o_proj.bias, prepack),
+                "gate_up": _Projection(_fuse([mlp.gate_proj, mlp.up_proj])[0], None, prepack),
+                "down": _Projection(mlp.down_proj.weight, None, prepack),
+            }
+            for attn, mlp in ((layer.self_attn, layer.mlp) for layer in self.layers)
+        ]
+        self.lm_head = _Projection(model.lm_head.weight, None, prepack)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        rotary = model.model.rotary_emb
+        positions = torch.arange(max_len, device=self.device, dtype=torch.float32)
+        freqs = positions[:, None] * rotary.inv_freq.to(self.device, torch.float32)[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (angles.cos() * rotary.attention_scaling).to(self.dtype)
+        self.sin = (angles.sin() * rotary.attention_scaling).to(self.dtype)
+        self.capacity = 0
+        self.k_cache: list[torch.Tensor] = []
+        self.v_cache: list[torch.Tensor] = []
+        self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
+        self.row_buckets = sorted({*(2**i for i in range(4) if 2**i < max_rows), *range(8, max_rows, 8), max_rows})
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        if self.cuda_graphs:
+            self.graph_pool = torch.cuda.graph_pool_handle()
+            self.static_tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            self.static_positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
+            self.static_logits = torch.zeros(max_rows, config.vocab_size, device=self.device)
+
+    # ---------------------------------------------------------------------------------------------- the cache
+
+    def _reserve(self, length: int) -> None:
+        """Grow the cache to hold `length` positions per row (capacity doubles; captured graphs are dropped)."""
+        if length <= self.capacity:
+            return
+        capacity = max(self.capacity, _MIN_SPAN * 2)
+        while capacity < length:
+            capacity *= 2
+        capacity = min(capacity, self.max_len)
+        shape = (self.max_rows, self.num_kv_heads, capacity, self.head_dim)
+
+        def grown(old: torch.Tensor | None) -> torch.Tensor:
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if old is not None:
+                new[:, :, : self.capacity] = old
+            return new
+
+        self.k_cache = [grown(old) for old in self.k_cache or [None] * len(self.layers)]
+        self.v_cache = [grown(old) for old in self.v_cache or [None] * len(self.layers)]
+        self.capacity = capacity
+        self.graphs.clear()
+
+    @torch.inference_mode()
+    def weights_changed(self) -> None:
+        for projection in (self.lm_head, *(p for layer in self.projections for p in layer.values())):
+            projection.refresh()
+
+    @torch.inference_mode()
+    def move_row(self, src: int, dst: int, length: int) -> None:
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[dst, :, :length] = cache[src, :, :length]
+
+    # ----------------------------------------------------------------------------------------------- forward
+
+    def _norm(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return module.weight * x32.to(x.dtype)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """Hidden states after the final norm for input_ids [B, T] at positions [B, T]. `attend(layer, q, k, v)`
+        stores k/v [B, kv_heads, T, head_dim] and returns the attention output [B, heads, T, head_dim]."""
+        batch, length = input_ids.shape
+        x = F.embedding(input_ids, self.model.model.embed_tokens.weight)
+        cos = self.cos[positions][:, None]  # [B, 1, T, head_dim]
+        sin = self.sin[positions][:, None]
+        for index, layer in enumerate(self.layers):
+            attn, project = layer.self_attn, self.projections[index]
+            h = self._norm(x, layer.input_layernorm)
+            q, k, v = project["qkv"](h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(batch, length, -1, self.head_dim)
+            k = k.view(batch, length, -1, self.head_dim)
+            v = v.view(batch, length, -1, self.head_dim)
+            if self.qk_norm:
+                q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
+            q = self._rotate(q.transpose(1, 2), cos, sin)
+            k = self._rotate(k.transpose(1, 2), cos, sin)
+            out = attend(index, q, k, v.transpose(1, 2))
+            x = x + project["o"](out.transpose(1, 2).reshape(batch, length, -1))
+            h = self._norm(x, layer.post_attention_layernorm)
+            gate, up = project["gate_up"](h).chunk(2, dim=-1)
+            x = x + project["down"](F.silu(gate) * up)
+        return self._norm(x, self.model.model.norm)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ------------------------------------------------------------------------------------------------ prefill
+
+    @torch.inference_mode()
+    def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
+        width = max(len(p) for p in prompts)
+        self._reserve(width)
+        rows = slice(first_row, first_row + len(prompts))
+        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            input_ids[i, : len(prompt)] = torch.tensor(prompt)
+        input_ids = input_ids.to(self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            self.k_cache[layer][rows, :, :width] = k
+            self.v_cache[layer][rows, :, :width] = v
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        hidden = self._forward(input_ids, positions, attend)
+        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
+        return self._logits(hidden[torch.arange(len(prompts), device=self.device), last])
+
+    # ------------------------------------------------------------------------------------------------- decode
+
+    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """One token per row for rows 0..len(tokens)-1, attending to positions < min(position + 1, span)."""
+        rows = tokens.shape[0]
+        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        # flat index of (row, kv head, position) in a cache viewed as [rows * kv_heads * capacity, head_dim]
+        heads = torch.arange(rows * self.num_kv_heads, device=self.device)
+        slots = heads * self.capacity + positions.repeat_interleave(self.num_kv_heads)
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
+            k_cache.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
+            v_cache.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
+            keys, values = k_cache[:rows, :, :span], v_cache[:rows, :, :span]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+
+        return self._logits(self._forward(tokens[:, None], positions[:, None], attend)[:, 0])
+
+    @torch.inference_mode()
+    def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
+        longest = max(positions) + 1
+        self._reserve(longest)
+        span = min(_bucket(longest, [_MIN_SPAN * 2**i for i in range(32)]), self.capacity)
+        if not self.cuda_graphs:
+            token_tensor = torch.tensor(tokens, device=self.device)
+            position_tensor = torch.tensor(positions, device=self.device)
+            return self._decode_forward(token_tensor, position_tensor, span)
+        n = len(tokens)
+        rows = _bucket(n, self.row_buckets)
+        host = torch.zeros(2, rows, dtype=torch.long)
+        host[0, :n] = torch.tensor(tokens)
+        host[1, :n] = torch.tensor(positions)
+        self.static_tokens[:rows].copy_(host[0], non_blocking=True)
+        self.static_positions[:rows].copy_(host[1], non_blocking=True)
+        graph = self.graphs.get((rows, span)) or self._capture(rows, span)
+        graph.replay()
+        return self.static_logits[:n]
+
+    def _capture(self, rows: int, span: int) -> torch.cuda.CUDAGraph:
+        """Capture the decode step for `rows` rows and attention span `span`. Padding rows (beyond the rows in use)
+        decode token 0 at position 0 into rows nobody reads; prefill overwrites them before they are used."""
+        tokens, positions, logits = self.static_tokens[:rows], self.static_positions[:rows], self.static_logits[:rows]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning); writes are idempotent
+            for _ in range(2):
+                logits.copy_(self._decode_forward(tokens, positions, span))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graph_pool):
+            logits.copy_(self._decode_forward(tokens, positions, span))
+        self.graphs[(rows, span)] = graph
+        return graph
+
+
+def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -> None:
+    """The fast decoder's greedy tokens must equal the uncached reference's, for rows of different lengths decoded
+    together (with rows retiring mid-way, which moves rows) and, on CUDA, through captured graphs."""
+    from transformers import AutoModelForCausalLM
+
+    from primerl.inference.engines.decoders import ReferenceDecoder
+    from primerl.models import resolve_model
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32).to(device).eval()
+    prompts = [[1, 17, 45, 300, 12], [1, 99], [1, *range(5, 40)], [1, 512, 3]]
+    outputs = []
+    for decoder in (ReferenceDecoder(model, 4), LlamaDecoder(model, 4, 256, cuda_graphs=device.startswith("cuda"))):
+        sequences = [list(p) for p in prompts]
+        rows = list(range(len(prompts)))  # rows[i] = prompt index decoded in row i
+        tokens = decoder.prefill(0, prompts).argmax(-1).tolist()
+        for step in range(steps):
+            for row, token in zip(rows, tokens, strict=True):
+                sequences[row].append(token)
+            if step == steps // 2:  # retire row 1: the last row moves into its place
+                decoder.move_row(len(rows) - 1, 1, len(sequences[rows[-1]]))
+                rows[1] = rows.pop()
+                tokens[1] = tokens.pop()
+            positions = [len(sequences[row]) - 1 for row in rows]
+            tokens = decoder.decode(tokens, positions).argmax(-1).tolist()
+        outputs.append(sequences)
+    assert outputs[0] == outputs[1], f"fast decoder differs from the reference:\n{outputs[0]}\n{outputs[1]}"
+    print(f"ok: fast greedy decode equals the uncached reference ({model_name}, {device}, {steps} steps)")
+
+
+if __name__ == "__main__":
+    import sys
+
+    self_check(device=sys.argv[1] if len(sys.argv) > 1 else "cpu")
