@@ -1,0 +1,137 @@
+"""Config of the RL trainer (`primerl trainer`) and the training sections it shares with `primerl sft`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from primerl.config.base import ProcessConfig, Section
+from primerl.config.common import ModelConfig
+
+Attention = Literal["auto", "varlen", "flash_attention_2", "flex_attention", "sdpa", "eager"]
+
+
+class TrainingConfig(Section):
+    """How the model is trained: steps, micro-batches, device, attention kernel, memory/speed switches."""
+
+    max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None: RL runs on)")
+    micro_batch_rows: int = Field(1, ge=1, description="packed rows per forward/backward pass on each rank")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
+    attention: Attention = Field(
+        "auto",
+        description="kernel for packed rows: auto = flash_attention_2 if flash-attn is installed, else torch's varlen "
+        "flash kernel (or flex_attention) on GPU, sdpa (block-diagonal mask) on CPU",
+    )
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
+    compile: bool = Field(False, description="torch.compile each decoder layer")
+    logprob_chunk_tokens: int = Field(
+        4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
+    )
+    seed: int = Field(0, description="seed for initialisation of new parameters (LoRA) and fake data")
+    peak_flops: float | None = Field(
+        None, gt=0, description="peak FLOP/s of one device for MFU; None = known table by device name (bf16 dense)"
+    )
+
+
+class LoraConfig(Section):
+    """Low-rank adapters through peft. Exported weights are merged, so inference never sees adapters."""
+
+    enabled: bool = Field(False, description="train LoRA adapters instead of all weights")
+    rank: int = Field(16, ge=1, description="adapter rank r")
+    alpha: float = Field(32.0, gt=0, description="scaling numerator: delta W = (alpha / r) B A")
+    dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        description="names of the linear modules that get adapters",
+    )
+
+
+class OptimizerConfig(Section):
+    """AdamW on fp32 master weights, with global-norm gradient clipping."""
+
+    lr: float = Field(1e-6, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global gradient norm (None: no clipping)")
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule as a factor on `optim.lr`: linear warm-up, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = Field("constant", description="shape after warm-up")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0")
+    decay_steps: int | None = Field(
+        None, ge=1, description="steps of decay after warm-up (linear/cosine); None = train.max_steps - warmup_steps"
+    )
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="final lr as a fraction of the peak (linear/cosine)")
+
+
+class CheckpointConfig(Section):
+    """Full training state (torch distributed checkpoint) under `<run>/checkpoints/step_<k>/trainer/`."""
+
+    interval: int | None = Field(None, ge=1, description="save every this many steps (None: only at the end)")
+    keep_last: int | None = Field(2, ge=1, description="keep the newest this many checkpoints (None: all)")
+    resume: int | Literal["latest"] | None = Field(
+        None, description="resume from checkpoint step k, or the latest complete one"
+    )
+    save_at_end: bool = Field(True, description="save a checkpoint after the last step")
+
+
+class WeightsConfig(Section):
+    """Weight snapshots for inference under `<run>/weights/step_<k>/` (STABLE marker last)."""
+
+    interval: int | None = Field(1, ge=1, description="export every this many steps (None: only at the end)")
+    keep_last: int | None = Field(3, ge=1, description="keep the newest this many snapshots (None: all)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype of the exported tensors; auto = the compute dtype"
+    )
+
+
+class LossConfig(Section):
+    """The RL loss: `path` names a callable `module:function`, called with the batch tensors and `kwargs`."""
+
+    path: str = Field("primerl.trainer.loss:masked_importance_loss", description="import path module:callable")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the loss")
+
+
+class RolloutDataConfig(Section):
+    """Where the RL trainer gets its batches: `<run>/rollouts/step_<n>/`, or generated fake data."""
+
+    fake: bool = Field(False, description="train on random sequences instead of waiting for the orchestrator")
+    poll_interval_s: float = Field(0.5, gt=0, description="how often to look for the next batch")
+    timeout_s: float | None = Field(None, gt=0, description="give up when a batch does not come in time")
+    fake_samples: int = Field(8, ge=1, description="fake mode: samples per step")
+    fake_sample_tokens: int = Field(64, ge=2, description="fake mode: tokens per sample (half prompt, half completion)")
+    fake_seq_len: int = Field(256, ge=2, description="fake mode: packed row length")
+
+
+class TrainerConfig(ProcessConfig):
+    """The RL trainer: waits for `rollouts/step_<n>/`, trains on it, writes `weights/step_<n+1>/`."""
+
+    run_dir: Path = Field(Path("runs/debug"), description="the run directory shared with the other processes")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy to train")
+    train: TrainingConfig = Field(default_factory=TrainingConfig, description="steps, micro-batches, kernels")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
+    optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
+    loss: LossConfig = Field(default_factory=LossConfig, description="RL loss")
+    data: RolloutDataConfig = Field(default_factory=RolloutDataConfig, description="batches")
+    ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    weights: WeightsConfig = Field(default_factory=WeightsConfig, description="weight export for inference")
+
+    @model_validator(mode="after")
+    def _decay_needs_length(self) -> TrainerConfig:
+        check_schedule(self.scheduler, self.train)
+        return self
+
+
+def check_schedule(scheduler: SchedulerConfig, train: TrainingConfig) -> None:
+    """A decaying schedule needs to know how long it decays."""
+    if scheduler.kind != "constant" and scheduler.decay_steps is None:
+        if train.max_steps is None:
+            raise ValueError(f"scheduler.kind={scheduler.kind!r} needs scheduler.decay_steps or train.max_steps")
+        if train.max_steps <= scheduler.warmup_steps:
+            raise ValueError("train.max_steps must exceed scheduler.warmup_steps for a decaying schedule")

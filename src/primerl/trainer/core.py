@@ -1,0 +1,266 @@
+"""What RL and SFT training share: the parts of a trainer and one optimizer step over packed rows.
+
+`Trainer` owns the policy, tokenizer, optimizer, scheduler, checkpointer and metrics log. `Trainer.step` runs the
+micro-batches of one step through a `StepLoss` (forward -> loss token sum), normalises by the number of loss tokens
+of the whole step (all micro-batches, all ranks), clips, steps the optimizer and returns the step's metrics.
+`Trainer.finish_step` logs them and writes weights / checkpoints per the policies in the config.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from primerl.config.common import ModelConfig
+from primerl.config.trainer import (
+    CheckpointConfig,
+    LoraConfig,
+    OptimizerConfig,
+    SchedulerConfig,
+    TrainingConfig,
+    WeightsConfig,
+)
+from primerl.trainer import dist as tdist
+from primerl.trainer.ckpt import Checkpointer
+from primerl.trainer.loss import LossOutput
+from primerl.monitor import MetricsLogger, format_line
+from primerl.trainer.metrics import attention_shape, peak_flops, peak_memory_gib, step_flops
+from primerl.trainer.model import Policy, PolicyOutput, build_policy, count_matmul_params
+from primerl.trainer.optim import build_optimizer, build_scheduler
+from primerl.trainer.weights import export_weights
+from primerl.transport import weights as weight_transport
+
+log = logging.getLogger(__name__)
+
+# the per-token arrays of a packed row that go to the device, and their torch dtypes
+TENSOR_DTYPES = {
+    "input_ids": torch.long,
+    "position_ids": torch.long,
+    "sample_index": torch.long,
+    "loss_mask": torch.bool,
+    "inference_logprobs": torch.float32,
+    "advantages": torch.float32,
+}
+
+CONSOLE_KEYS = [
+    "loss",
+    "entropy",
+    "mismatch_kl",
+    "masked_fraction",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "mfu",
+    "peak_memory_gib",
+    "wait_s",
+]
+
+MicroBatch = dict[str, Tensor]
+StepLoss = Callable[[PolicyOutput, MicroBatch], LossOutput]
+
+
+@dataclass
+class TrainerParts:
+    """The config sections a trainer is built from (RL and SFT configs both have them)."""
+
+    run_dir: Path
+    model: ModelConfig
+    train: TrainingConfig
+    lora: LoraConfig
+    optim: OptimizerConfig
+    scheduler: SchedulerConfig
+    ckpt: CheckpointConfig
+    weights: WeightsConfig
+
+
+def micro_batches(arrays: dict[str, np.ndarray], rows_per_micro_batch: int, device: torch.device) -> list[MicroBatch]:
+    """Cut this rank's rows into micro-batches of tensors on `device`."""
+    num_rows = arrays["input_ids"].shape[0]
+    out = []
+    for start in range(0, num_rows, rows_per_micro_batch):
+        rows = slice(start, start + rows_per_micro_batch)
+        out.append(
+            {
+                name: torch.from_numpy(np.ascontiguousarray(arrays[name][rows])).to(device=device, dtype=dtype)
+                for name, dtype in TENSOR_DTYPES.items()
+                if name in arrays
+            }
+        )
+    return out
+
+
+def sample_lengths(batch: list[MicroBatch]) -> list[int]:
+    """Lengths of the samples in this rank's rows (padding excluded), for the attention FLOP count."""
+    lengths = []
+    for mb in batch:
+        for row in mb["sample_index"].cpu():
+            _, counts = torch.unique_consecutive(row[row >= 0], return_counts=True)
+            lengths.extend(counts.tolist())
+    return lengths
+
+
+class Trainer:
+    """The parts of a training process. Swappable: `StepLoss` per call. Fixed: optimizer, checkpointer, metrics."""
+
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    checkpointer: Checkpointer
+    metrics: MetricsLogger
+
+    def __init__(self, parts: TrainerParts, source: str):
+        self.parts = parts
+        self.dist, self.device = tdist.setup(parts.train.device)
+        torch.manual_seed(parts.train.seed)
+        self.policy, self.tokenizer = build_policy(parts.model, parts.train, parts.lora, self.device, self.dist)
+        self.optimizer = build_optimizer(self.policy, parts.optim)
+        self.scheduler = build_scheduler(self.optimizer, parts.scheduler, parts.train.max_steps)
+        self.checkpointer = Checkpointer(parts.run_dir, parts.ckpt, self.dist)
+        self.metrics = MetricsLogger(parts.run_dir, source, enabled=self.dist.is_main)
+        self.export_dtype = (
+            self.policy.compute_dtype if parts.weights.dtype == "auto" else getattr(torch, parts.weights.dtype)
+        )
+        config = self.policy.causal_lm.config
+        self.matmul_params = count_matmul_params(self.policy)
+        self.attention_shape = attention_shape(config)
+        self.peak_flops = peak_flops(self.device, parts.train.peak_flops)
+        self._log_setup()
+
+    def _log_setup(self) -> None:
+        p = self.parts
+        total = sum(t.numel() for t in self.policy.parameters())
+        trainable = sum(t.numel() for t in self.policy.parameters() if t.requires_grad)
+        log.info(
+            "model %s | params %.1fM (trainable %.1fM, matmul %.1fM) | attention %s | compute %s | device %s x%d",
+            p.model.name,
+            total / 1e6,
+            trainable / 1e6,
+            self.matmul_params / 1e6,
+            self.policy.attention,
+            str(self.policy.compute_dtype).removeprefix("torch."),
+            self.device.type,
+            self.dist.world_size,
+        )
+        flops = f"{self.peak_flops / 1e12:.1f} TFLOP/s" if self.peak_flops else "unknown (no MFU)"
+        log.info(
+            "micro-batch rows %d | activation checkpointing %s | compile %s | LoRA %s | peak FLOPs/device %s",
+            p.train.micro_batch_rows,
+            p.train.activation_checkpointing,
+            p.train.compile,
+            p.lora.enabled,
+            flops,
+        )
+
+    def resume(self) -> tuple[int, dict[str, Any]]:
+        """Load the checkpoint chosen by `ckpt.resume`; return (completed steps, data position) — (0, {}) if none."""
+        step = self.checkpointer.resume_step()
+        if step is None:
+            return 0, {}
+        progress = self.checkpointer.load(step, self.policy, self.optimizer, self.scheduler)
+        log.info("resumed from %s (step %d)", self.checkpointer.path(step), step)
+        return step, progress.get("data", {})
+
+    def forward(self, mb: MicroBatch, temperature: float) -> PolicyOutput:
+        with self.policy.autocast(self.device):
+            return self.policy(mb["input_ids"], mb["position_ids"], mb["sample_index"], temperature)
+
+    def step(self, batch: list[MicroBatch], loss: StepLoss, temperature: float = 1.0) -> dict[str, Any]:
+        """One optimizer step over this rank's micro-batches; returns the step's metrics (same on every rank)."""
+        start = time.perf_counter()
+        world = self.dist.world_size
+        counts = torch.tensor(
+            [
+                float(sum(int(mb["loss_mask"].sum()) for mb in batch)),
+                float(sum(int((mb["sample_index"] >= 0).sum()) for mb in batch)),
+            ],
+            dtype=torch.float64,
+            device=self.device,
+        )
+        num_loss_tokens, num_tokens = tdist.all_reduce_sum(counts).tolist()
+        # Each micro-batch contributes loss_sum / (global loss tokens); FSDP averages gradients over ranks, so the
+        # world size factor turns that average back into the sum over every rank's tokens.
+        scale = world / max(num_loss_tokens, 1.0)
+        sums: dict[str, Tensor] = {}
+        for mb in batch:
+            out = self.forward(mb, temperature)
+            result = loss(out, mb)
+            (result.loss_sum * scale).backward()
+            stats = {
+                "loss": result.loss_sum.detach(),
+                "entropy": (out.entropy * mb["loss_mask"]).sum(),
+                **result.metrics,
+            }
+            for key, value in stats.items():
+                sums[key] = sums.get(key, 0.0) + value.detach().double()
+        grad_norm = self._clip_gradients()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        names = sorted(sums)
+        totals = tdist.all_reduce_sum(torch.stack([torch.as_tensor(sums[k], device=self.device) for k in names]))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_s = time.perf_counter() - start
+        lengths = sample_lengths(batch)
+        flops = torch.tensor([step_flops(self.matmul_params, *self.attention_shape, lengths)], dtype=torch.float64)
+        flops = float(tdist.all_reduce_sum(flops.to(self.device)))
+        metrics: dict[str, Any] = {k: float(v) / max(num_loss_tokens, 1.0) for k, v in zip(names, totals.tolist())}
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            num_tokens=int(num_tokens),
+            num_loss_tokens=int(num_loss_tokens),
+            step_s=step_s,
+            tokens_per_s=num_tokens / step_s,
+            tflops_per_device=flops / step_s / world / 1e12,
+            mfu=flops / step_s / world / self.peak_flops if self.peak_flops else None,
+            peak_memory_gib=peak_memory_gib(self.device),
+        )
+        return metrics
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.policy.parameters() if p.grad is not None]
+        max_norm = self.parts.optim.max_grad_norm or math.inf
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return float(norm)
+
+    def finish_step(self, step: int, metrics: dict[str, Any], data_state: dict[str, Any], is_last: bool) -> None:
+        """After `step` completed optimizer steps: export weights, checkpoint, log (in that order, so the exported
+        weights' latency is in this step's metrics)."""
+        w = self.parts.weights
+        if (w.interval is not None and step % w.interval == 0) or is_last:
+            start = time.perf_counter()
+            export_weights(self.policy, self.tokenizer, self.parts.run_dir, step, self.export_dtype, self.dist)
+            if self.dist.is_main and w.keep_last is not None:
+                weight_transport.prune(self.parts.run_dir, w.keep_last)
+            metrics["weights_export_s"] = time.perf_counter() - start
+        if self.checkpointer.due(step, is_last):
+            start = time.perf_counter()
+            self.checkpointer.save(step, self.policy, self.optimizer, self.scheduler, data_state)
+            metrics["checkpoint_s"] = time.perf_counter() - start
+        record = self.metrics.log(step, metrics)
+        if self.dist.is_main:
+            log.info(format_line(step, record, CONSOLE_KEYS))
+
+    def close(self) -> None:
+        tdist.teardown()
+
+
+def setup_logging(rank: int, name: str) -> None:
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"%(asctime)s {name}[{rank}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )

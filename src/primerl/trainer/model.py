@@ -1,0 +1,371 @@
+"""The policy being trained: a Hugging Face causal LM on packed rows, with a fused, chunked log-prob head.
+
+Contract: `Policy.forward(input_ids, position_ids, sample_index, temperature)` takes packed rows [rows, seq_len]
+(DESIGN §3.3; `sample_index` -1 on padding) and returns, per token t, the log-prob of `input_ids[t]` given the tokens
+of its own sample before it, and the entropy of that next-token distribution (both 0 at the first token of a sample).
+Attention never crosses samples: the backend gets a block-diagonal causal mask (flex / sdpa) or restarting position
+ids (flash-attn varlen). The [tokens, vocab] logits are never held in full: `fused_logprobs` works in chunks of
+`chunk_tokens` rows and recomputes each chunk's logits in backward.
+
+Precision: parameters and AdamW states stay float32 (master weights); compute runs in `compute_dtype` (bfloat16 on
+GPU) through FSDP2's mixed-precision policy when sharded, through autocast otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import inspect
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from primerl.config.common import ModelConfig
+from primerl.config.trainer import LoraConfig, TrainingConfig
+from primerl.trainer.dist import DistInfo
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fused, chunked log-probs and entropy
+
+
+def _chunk_stats(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dtype):
+    """(log-prob of target, entropy, log-sum-exp) per row of raw logits [c, V]."""
+    scaled = logits.to(acc) * inv_temp
+    lse = torch.logsumexp(scaled, dim=-1)
+    logprob = scaled.gather(1, targets[:, None]).squeeze(1) - lse
+    entropy = lse - (torch.exp(scaled - lse[:, None]) * scaled).sum(-1)
+    return logprob, entropy, lse
+
+
+def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_temp: float, out: torch.dtype):
+    """d(sum grad * logprob)/d logits = grad * (onehot(target) - softmax) / T, in one pass over the logits."""
+    probs = torch.exp(logits.to(lse.dtype) * inv_temp - lse[:, None])
+    columns = torch.arange(logits.shape[1], device=logits.device)
+    onehot = (columns[None, :] == targets[:, None]).to(lse.dtype)
+    return ((onehot - probs) * (grad[:, None] * inv_temp)).to(out)
+
+
+_compiled: dict[str, object] = {}
+
+
+def _kernel(name: str, fn, device: torch.device):
+    """On GPU, the element-wise passes over [chunk, vocab] are fused by torch.compile (memory-bound otherwise)."""
+    if device.type != "cuda":
+        return fn
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, dynamic=False)
+    return _compiled[name]
+
+
+class _FusedLogprobs(torch.autograd.Function):
+    """log softmax(h W^T / T)[target] and the entropy of softmax(h W^T / T), `chunk` rows of h at a time.
+
+    Forward keeps only h, W, targets and the per-row log-sum-exp; backward recomputes each chunk's logits. The entropy
+    is an output without gradient (a metric, not a loss term).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: float, chunk: int, dtype: torch.dtype):
+        n = hidden.shape[0]
+        w = weight.to(dtype)
+        acc = torch.promote_types(dtype, torch.float32)  # softmax statistics: float32 at least
+        stats = _kernel("stats", _chunk_stats, hidden.device)
+        logprobs = hidden.new_empty(n, dtype=acc)
+        entropy = hidden.new_empty(n, dtype=acc)
+        lse = hidden.new_empty(n, dtype=acc)
+        for start in range(0, n, chunk):
+            end = min(start + chunk, n)
+            logits = hidden[start:end].to(dtype) @ w.T
+            logprobs[start:end], entropy[start:end], lse[start:end] = stats(logits, targets[start:end], inv_temp, acc)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.inv_temp, ctx.chunk, ctx.dtype = inv_temp, chunk, dtype
+        ctx.mark_non_differentiable(entropy)
+        return logprobs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        dtype = ctx.dtype
+        w = weight.to(dtype)
+        grad_of_logits = _kernel("grad", _chunk_grad, hidden.device)
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            end = min(start + ctx.chunk, hidden.shape[0])
+            h = hidden[start:end].to(dtype)
+            logits = h @ w.T
+            grad_logits = grad_of_logits(
+                logits, targets[start:end], lse[start:end], grad_logprobs[start:end].to(lse.dtype), ctx.inv_temp, dtype
+            )
+            grad_hidden[start:end] = grad_logits @ w
+            grad_weight += grad_logits.T @ h
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+def fused_logprobs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    chunk_tokens: int = 4096,
+    dtype: torch.dtype | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of `targets` [n] and entropies under softmax(hidden [n, d] @ weight [V, d]^T / temperature).
+
+    The matmuls run in `dtype` (default: hidden's), the softmax statistics and outputs in float32 (or float64)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    dtype = dtype or hidden.dtype
+    return _FusedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Attention over packed rows
+
+
+VARLEN = "varlen"  # torch.nn.attention.varlen (flash varlen kernel shipped with torch), registered with transformers
+_HF_VARLEN_NAME = "primerl_varlen"
+
+
+def torch_varlen_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def resolve_attention(choice: str, device: torch.device) -> str:
+    """`auto` -> flash_attention_2 (flash-attn installed) or torch's varlen kernel or flex_attention on GPU; sdpa on
+    CPU (flex_attention has no CPU backward)."""
+    if choice == "auto":
+        if device.type != "cuda":
+            return "sdpa"
+        if importlib.util.find_spec("flash_attn") is not None:
+            return "flash_attention_2"
+        return VARLEN if torch_varlen_available() else "flex_attention"
+    if choice == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise ValueError("train.attention = 'flash_attention_2' but the flash-attn package is not installed")
+    if choice == VARLEN and (device.type != "cuda" or not torch_varlen_available()):
+        raise ValueError("train.attention = 'varlen' needs CUDA and torch.nn.attention.varlen")
+    return choice
+
+
+def _varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, options, **kwargs):
+    """transformers attention function over packed rows: q/k/v [rows, heads, S, D] -> output [rows, S, heads, D].
+    Sample boundaries come in `cu_seq_lens_q` / `max_length_q` (flattened over rows), causal inside each sample."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    rows, heads, seq, dim = query.shape
+    if torch.is_autocast_enabled(query.device.type):  # a custom op: autocast does not cast its inputs for it
+        dtype = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    q = query.transpose(1, 2).reshape(rows * seq, heads, dim)
+    k = key.transpose(1, 2).reshape(rows * seq, key.shape[1], dim)
+    v = value.transpose(1, 2).reshape(rows * seq, value.shape[1], dim)
+    if k.shape[1] != heads and "enable_gqa" not in options:  # older torch: repeat the key/value heads
+        k = k.repeat_interleave(heads // k.shape[1], dim=1)
+        v = v.repeat_interleave(heads // v.shape[1], dim=1)
+    cu, max_len = kwargs["cu_seq_lens_q"], kwargs["max_length_q"]
+    out = varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scaling, **options)
+    return out.view(rows, seq, heads, dim), None
+
+
+def _varlen_options() -> dict:
+    """Causal (and native GQA where offered) in the spelling of the installed torch's varlen_attn."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    options = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        options["enable_gqa"] = True
+    return options
+
+
+def varlen_boundaries(sample_index: Tensor) -> tuple[Tensor, int]:
+    """Cumulative sample starts over the flattened rows (int32, with the total at the end) and the longest sample."""
+    rows, seq = sample_index.shape
+    starts = torch.ones_like(sample_index, dtype=torch.bool)
+    starts[:, 1:] = sample_index[:, 1:] != sample_index[:, :-1]
+    flat_starts = starts.view(-1).nonzero().squeeze(1)
+    cu = torch.cat([flat_starts, flat_starts.new_tensor([rows * seq])]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def _hf_attention_name(attention: str) -> str:
+    if attention != VARLEN:
+        return attention
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(_HF_VARLEN_NAME, functools.partial(_varlen_attention, options=_varlen_options()))
+    return _HF_VARLEN_NAME
+
+
+def packed_attention_mask(attention: str, sample_index: Tensor, dtype: torch.dtype) -> object | None:
+    """The mask that keeps each token's attention inside its own sample (causal), in the form `attention` wants.
+
+    flex_attention: a BlockMask (blocks outside every sample are skipped); sdpa: a [rows, 1, S, S] boolean mask;
+    eager: the same as an additive float mask; flash_attention_2 / varlen: None (boundaries are passed otherwise).
+    """
+    if attention in ("flash_attention_2", VARLEN):
+        return None
+    rows, seq = sample_index.shape
+    if attention == "flex_attention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def same_sample_causal(b, h, q, kv):
+            return (sample_index[b, q] == sample_index[b, kv]) & (q >= kv)
+
+        return create_block_mask(
+            same_sample_causal, rows, None, seq, seq, device=sample_index.device, _compile=sample_index.is_cuda
+        )
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=sample_index.device).tril_()
+    allowed = (sample_index[:, :, None] == sample_index[:, None, :]) & causal
+    allowed = allowed[:, None]
+    if attention == "sdpa":
+        return allowed
+    if attention == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+    raise ValueError(f"unknown attention backend {attention!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The policy module
+
+
+@dataclass
+class PolicyOutput:
+    logprobs: Tensor  # [rows, seq], float32; 0 at the first token of each sample
+    entropy: Tensor  # [rows, seq], float32, no gradient
+
+
+class Policy(nn.Module):
+    """A causal LM (optionally wrapped by peft) plus the fused log-prob head. The FSDP2 root when sharded."""
+
+    def __init__(self, lm: nn.Module, attention: str, compute_dtype: torch.dtype, chunk_tokens: int):
+        super().__init__()
+        self.lm = lm
+        self.attention = attention
+        self.compute_dtype = compute_dtype
+        self.chunk_tokens = chunk_tokens
+        head = self.causal_lm.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("output heads with a bias are not supported")
+        if getattr(self.causal_lm.config, "final_logit_softcapping", None):
+            raise ValueError("models with final logit soft-capping are not supported")
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The transformers *ForCausalLM (inside the peft wrapper when LoRA is on)."""
+        return self.lm.get_base_model() if hasattr(self.lm, "get_base_model") else self.lm
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.causal_lm.get_decoder().layers
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, sample_index: Tensor, temperature: float = 1.0):
+        causal_lm = self.causal_lm
+        mask = packed_attention_mask(self.attention, sample_index, self.compute_dtype)
+        boundaries = {}
+        if self.attention == VARLEN:
+            cu, longest = varlen_boundaries(sample_index)
+            boundaries = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+        hidden = causal_lm.get_decoder()(
+            input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **boundaries
+        ).last_hidden_state
+        rows, seq, dim = hidden.shape
+        weight = causal_lm.get_output_embeddings().weight
+        targets = input_ids[:, 1:].reshape(-1)
+        logprobs, entropy = fused_logprobs(
+            hidden[:, :-1].reshape(-1, dim), weight, targets, temperature, self.chunk_tokens, self.compute_dtype
+        )
+        # the first token of a sample is not predicted by anything of its own sample: report 0 there
+        continues = (sample_index[:, 1:] == sample_index[:, :-1]).to(logprobs.dtype)
+        zeros = logprobs.new_zeros(rows, 1)
+        return PolicyOutput(
+            logprobs=torch.cat([zeros, logprobs.view(rows, seq - 1) * continues], dim=1),
+            entropy=torch.cat([zeros, entropy.view(rows, seq - 1) * continues], dim=1),
+        )
+
+    def autocast(self, device: torch.device):
+        """Autocast to the compute dtype when the parameters are float32 and FSDP does not cast them already."""
+        if self.compute_dtype == torch.float32 or getattr(self, "_fsdp_casts", False):
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self.compute_dtype)
+
+
+def compute_dtype_for(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def build_policy(
+    model_cfg: ModelConfig, train_cfg: TrainingConfig, lora_cfg: LoraConfig, device: torch.device, dist: DistInfo
+) -> tuple[Policy, object]:
+    """Load the model (float32 master weights), add LoRA, checkpointing, compile, FSDP2; return (policy, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from primerl.models import resolve_model
+
+    path = resolve_model(model_cfg.name, model_cfg.revision)
+    attention = resolve_attention(train_cfg.attention, device)
+    compute_dtype = compute_dtype_for(model_cfg, device)
+    lm = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.float32,
+        attn_implementation=_hf_attention_name(attention),
+        trust_remote_code=model_cfg.trust_remote_code,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    lm.config.use_cache = False
+    if train_cfg.activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora_cfg.enabled:
+        lm = _add_lora(lm, lora_cfg, train_cfg.seed)
+    policy = Policy(lm, attention, compute_dtype, train_cfg.logprob_chunk_tokens)
+    policy.train()
+    if train_cfg.compile:
+        for layer in policy.decoder_layers:
+            layer.compile()
+    if dist.world_size > 1:
+        shard_policy(policy, compute_dtype)
+    else:
+        policy.to(device)
+    return policy, tokenizer
+
+
+def _add_lora(lm: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
+    import peft
+
+    torch.manual_seed(seed)  # adapter init must match on every rank
+    config = peft.LoraConfig(
+        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=cfg.target_modules, bias="none"
+    )
+    return peft.get_peft_model(lm, config)
+
+
+def shard_policy(policy: Policy, compute_dtype: torch.dtype) -> None:
+    """FSDP2: one unit per decoder layer, the rest (embeddings, final norm, head) in the root unit."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    layers = policy.decoder_layers
+    for i, layer in enumerate(layers):
+        # the last layer's parameters are needed again at once in backward: keep them gathered
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(policy, mp_policy=mp, reshard_after_forward=False)
+    policy._fsdp_casts = compute_dtype != torch.float32
+
+
+def count_matmul_params(policy: Policy) -> int:
+    """Parameters that take part in a matmul per token: every nn.Linear weight, including the (maybe tied) head."""
+    total = 0
+    for module in policy.causal_lm.modules():
+        if isinstance(module, nn.Linear):
+            total += module.weight.numel()  # a DTensor's numel is the global one
+    return total

@@ -1,0 +1,50 @@
+"""AdamW on the trainable parameters and the learning-rate schedules of `SchedulerConfig`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from primerl.config.trainer import OptimizerConfig, SchedulerConfig
+
+
+def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
+    """AdamW over parameters that require grad; fused kernels on CUDA, foreach elsewhere."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    on_cuda = params[0].device.type == "cuda"
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=cfg.betas,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        fused=on_cuda or None,
+        foreach=None if on_cuda else True,
+    )
+
+
+def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int | None) -> float:
+    """Multiplier on the peak lr for optimizer step `step` (0-based): linear warm-up over `warmup_steps` (the first
+    step already moves, at 1/warmup of the peak), then constant, or a linear/cosine decay to `min_lr_ratio` over
+    `decay_steps`, flat after that."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.kind == "constant":
+        return 1.0
+    decay_steps = cfg.decay_steps or (max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, decay_steps))
+    if cfg.kind == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, max_steps: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, max_steps))

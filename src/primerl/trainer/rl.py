@@ -1,0 +1,119 @@
+"""`primerl trainer`: the RL trainer process.
+
+Step convention (docs/trainer.md): holding policy version k (the weights after k optimizer steps; version 0 is the
+initial model), the trainer waits for `rollouts/step_<k>/`, trains on it and publishes `weights/step_<k+1>/`
+(policy version k + 1). Metrics, weights and checkpoints are all labelled with the number of completed steps, so the
+metrics line `"step": k + 1` is the step that trained on `rollouts/step_<k>` (also logged as `rollout_step`).
+Launch with torchrun for several ranks (FSDP2); a single process otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from primerl.config import config_from_argv
+from primerl.config.trainer import RolloutDataConfig, TrainerConfig
+from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
+from primerl.trainer.loss import LossInputs, LossOutput, load_loss
+from primerl.trainer.model import PolicyOutput
+from primerl.transport.rollouts import Sample, pack_samples, read_batch, split_rows, wait_for_batch
+
+log = logging.getLogger(__name__)
+
+
+def fake_rows(cfg: RolloutDataConfig, vocab_size: int, step: int, seed: int, world_size: int, rank: int):
+    """Random samples for `step` (the same on every rank and after a resume), packed and dealt like a real batch.
+
+    Half of each sample is prompt, half completion; advantages are standard normal per sample. The inference
+    log-probs are left at 0: `fill_on_policy_logprobs` replaces them with the current policy's own."""
+    rng = np.random.default_rng([seed, step])
+    samples = []
+    prompt = cfg.fake_sample_tokens // 2
+    for _ in range(cfg.fake_samples):
+        ids = rng.integers(0, vocab_size, cfg.fake_sample_tokens).tolist()
+        mask = [0] * prompt + [1] * (cfg.fake_sample_tokens - prompt)
+        samples.append(Sample(ids, mask, [0.0] * len(ids), float(rng.standard_normal())))
+    packed = pack_samples(samples, cfg.fake_seq_len)
+    return split_rows(packed.arrays, world_size)[rank]
+
+
+def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput]) -> StepLoss:
+    """Adapt an RL loss (primerl.trainer.loss contract) to the trainer's (forward output, micro-batch) call."""
+
+    def step_loss(out: PolicyOutput, mb: MicroBatch) -> LossOutput:
+        inputs = LossInputs(
+            logprobs=out.logprobs,
+            inference_logprobs=mb["inference_logprobs"],
+            advantages=mb["advantages"],
+            loss_mask=mb["loss_mask"],
+            entropy=out.entropy,
+        )
+        return loss_fn(inputs)
+
+    return step_loss
+
+
+def train(cfg: TrainerConfig) -> None:
+    parts = TrainerParts(
+        run_dir=cfg.run_dir,
+        model=cfg.model,
+        train=cfg.train,
+        lora=cfg.lora,
+        optim=cfg.optim,
+        scheduler=cfg.scheduler,
+        ckpt=cfg.ckpt,
+        weights=cfg.weights,
+    )
+    step_loss = make_rl_loss(load_loss(cfg.loss.path, cfg.loss.kwargs))
+    trainer = Trainer(parts, source="trainer")
+    rank, world = trainer.dist.rank, trainer.dist.world_size
+    try:
+        step, _ = trainer.resume()
+        while cfg.train.max_steps is None or step < cfg.train.max_steps:
+            if cfg.data.fake:
+                vocab = trainer.policy.causal_lm.config.vocab_size
+                arrays, temperature, wait_s = fake_rows(cfg.data, vocab, step, cfg.train.seed, world, rank), 1.0, 0.0
+            else:
+                path, wait_s = wait_for_batch(
+                    cfg.run_dir,
+                    step,
+                    cfg.data.poll_interval_s,
+                    cfg.data.timeout_s,
+                    on_wait=lambda p, waited: log.info("waiting for %s (%.0fs so far)", p, waited),
+                )
+                batch = read_batch(path, rank, world)
+                arrays, temperature = batch.arrays, batch.meta["temperature"]
+            batch_tensors = micro_batches(arrays, cfg.train.micro_batch_rows, trainer.device)
+            if cfg.data.fake:
+                fill_on_policy_logprobs(trainer, batch_tensors)
+            metrics = trainer.step(batch_tensors, step_loss, temperature)
+            metrics.update(wait_s=wait_s, rollout_step=step)
+            step += 1
+            is_last = cfg.train.max_steps is not None and step >= cfg.train.max_steps
+            trainer.finish_step(step, metrics, {"next_rollout_step": step}, is_last)
+    finally:
+        trainer.close()
+
+
+@torch.no_grad()
+def fill_on_policy_logprobs(trainer: Trainer, batch: list[MicroBatch]) -> None:
+    """Fake data: pretend the current policy sampled the tokens (inference log-probs = the trainer's own)."""
+    for mb in batch:
+        out = trainer.forward(mb, 1.0)
+        mb["inference_logprobs"] = out.logprobs.float() * mb["loss_mask"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    cfg = config_from_argv(TrainerConfig, argv, prog="primerl trainer")
+    setup_logging(int(os.environ.get("RANK", "0")), "trainer")
+    train(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,109 @@
+"""Weight snapshots on disk: the trainer publishes `<run>/weights/step_<k>/`, inference loads it (DESIGN §3.2).
+
+Contract:
+- `weights/step_<k>/` holds policy version k, the weights after k optimizer steps, as a Hugging Face model directory:
+  `model.safetensors` (full, unsharded state dict), `config.json`, tokenizer files, `generation_config.json` when the
+  source model has one. Version 0, the initial model, is not exported: inference starts from the model itself.
+- A snapshot is complete when its `STABLE` marker exists. The writer builds the directory under a temporary name,
+  renames it to `step_<k>`, then writes `STABLE` (itself temp + rename): a reader that sees `STABLE` sees every file.
+- `STABLE` holds JSON: {"step", "written_at" (unix seconds), "num_bytes"}.
+
+Torch-free, so the inference server and the orchestrator can use the readers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+WEIGHTS_DIR = "weights"
+STABLE = "STABLE"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def weights_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    return Path(run_dir) / WEIGHTS_DIR / f"step_{step}"
+
+
+def is_stable(path: str | os.PathLike) -> bool:
+    return (Path(path) / STABLE).is_file()
+
+
+def stable_steps(run_dir: str | os.PathLike) -> list[int]:
+    """Steps whose snapshot is complete, ascending."""
+    root = Path(run_dir) / WEIGHTS_DIR
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = _STEP_DIR.match(entry.name)
+        if match and is_stable(entry):
+            steps.append(int(match.group(1)))
+    return sorted(steps)
+
+
+def latest_stable(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
+    """The newest complete snapshot as (step, path), or None."""
+    steps = stable_steps(run_dir)
+    return (steps[-1], weights_dir(run_dir, steps[-1])) if steps else None
+
+
+def wait_for_weights(
+    run_dir: str | os.PathLike, step: int, poll_interval_s: float = 0.2, timeout_s: float | None = None
+) -> Path:
+    """Block until `weights/step_<step>` is STABLE and return its path; TimeoutError after `timeout_s`."""
+    path = weights_dir(run_dir, step)
+    start = time.monotonic()
+    while not is_stable(path):
+        if timeout_s is not None and time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"weights {path} not STABLE after {timeout_s:.0f}s")
+        time.sleep(poll_interval_s)
+    return path
+
+
+def staging_dir(run_dir: str | os.PathLike, step: int) -> Path:
+    """A fresh private directory to build snapshot `step` in before `publish` renames it into place."""
+    final = weights_dir(run_dir, step)
+    tmp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def publish(staged: Path, run_dir: str | os.PathLike, step: int) -> Path:
+    """Move a fully written staging directory to `weights/step_<step>` and mark it STABLE (last)."""
+    final = weights_dir(run_dir, step)
+    for f in staged.iterdir():
+        _fsync_file(f)
+    if final.exists():  # a re-run of the same step after a resume: replace it whole
+        shutil.rmtree(final)
+    os.rename(staged, final)
+    num_bytes = sum(f.stat().st_size for f in final.iterdir())
+    marker_tmp = final / f".{STABLE}.tmp"
+    marker_tmp.write_text(json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
+    _fsync_file(marker_tmp)
+    os.rename(marker_tmp, final / STABLE)
+    return final
+
+
+def prune(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
+    """Delete all but the newest `keep_last` complete snapshots; return the deleted steps."""
+    steps = stable_steps(run_dir)
+    doomed = steps[:-keep_last] if keep_last > 0 else steps
+    for step in doomed:
+        path = weights_dir(run_dir, step)
+        (path / STABLE).unlink(missing_ok=True)  # readers stop trusting it before the files go
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
