@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import read_metrics, write_fixed_batches
+from trainer_helpers import read_metrics, write_fixed_batches
 
 from primerl.config import load
 from primerl.config.trainer import TrainerConfig

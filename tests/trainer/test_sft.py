@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics
+from trainer_helpers import read_metrics
 
 from primerl.config import load
 from primerl.config.sft import SFTConfig, SFTDataConfig

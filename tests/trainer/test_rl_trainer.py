@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from helpers import read_metrics, write_fixed_batches
+from trainer_helpers import read_metrics, write_fixed_batches
 from safetensors.torch import load_file
 
 from primerl.config import load
