@@ -1,0 +1,541 @@
+"""`primerl check [recipe.toml]`: the validation checklist — can this machine run this recipe, here and now?
+
+Steps, in order (each with its own timeout; `--only` / `--skip` pick them by name):
+
+    python       the Python version matches the recipe's pin
+    torch        torch imports and sees the GPUs the recipe needs
+    flash_attn   flash_attn imports (recipes that train on GPUs)
+    disk         the run directory's file system has the free space the recipe asks for
+    memory       the host has the memory the recipe asks for
+    ports        the TCP ports the run will bind are free
+    run_dir      the run directory can be created and written
+    model        the model files are present with the pinned hashes
+    sft_trainer  `primerl sft` runs configs/debug/fake/sft.toml
+    rl_trainer   `primerl trainer` runs configs/debug/fake/rl.toml
+    inference    `primerl inference` serves the recipe's model: /health, /v1/models, one chat completion
+    rl_smoke     `primerl rl` runs the recipe's smoke variant (a few steps of the whole stack)
+
+A step ends `passed`, `failed`, or `skipped` with the reason — a step that cannot run on this machine (a GPU step
+without a GPU) is skipped, never passed. The heavy steps run the real commands as subprocesses; their output goes to
+`<log dir>/<step>.log` (`rl` runs keep them in `<run>/logs/checklist/`). The console gets progress lines and a table; the JSON report (default
+`<run dir>/checklist.json`) gets every step's status, detail and duration. Exit code: 0 when nothing failed, 1 when a
+step failed, 2 on a usage or recipe error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from primerl.recipes.schema import Recipe, RecipeError, load_recipe, stage_values, validate_stage
+
+Status = Literal["passed", "failed", "skipped"]
+PROGRESS_EVERY_S = 15.0
+INFERENCE_STARTUP_S = 600
+FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
+FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"
+DEFAULT_RUN_DIR = Path("runs/check")
+# The heavy steps' children get their configs as files, so PRIMERL_* config variables are not passed on; these are not
+# config variables and are.
+PASSED_ON_VARS = ("PRIMERL_CACHE",)
+
+
+class Skip(Exception):
+    """Raised by a step that cannot run here; the message is the reason."""
+
+
+class Fail(Exception):
+    """Raised by a step whose check did not hold; the message says what was found."""
+
+
+@dataclass
+class StepResult:
+    name: str
+    status: Status
+    detail: str
+    seconds: float
+
+
+@dataclass
+class Context:
+    """What the steps look at: the recipe (if any), the run directory, where logs go, scratch space for the heavy
+    steps' outputs, and probed facts."""
+
+    recipe: Recipe | None
+    run_dir: Path
+    log_dir: Path
+    work_dir: Path
+    say: Callable[[str], None]
+    _torch: dict[str, Any] | None = field(default=None, repr=False)
+
+    def torch_facts(self) -> dict[str, Any]:
+        """torch's version and the CUDA devices it sees, probed once in a subprocess (a broken install cannot take
+        the checklist down with it)."""
+        if self._torch is None:
+            probe = (
+                "import json, torch; c = torch.cuda.is_available(); n = torch.cuda.device_count() if c else 0; "
+                "print(json.dumps({'version': torch.__version__, 'cuda': torch.version.cuda, 'gpus': "
+                "[{'name': torch.cuda.get_device_name(i), 'memory_gb': "
+                "round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)} for i in range(n)]}))"
+            )
+            proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
+            if proc.returncode != 0:
+                raise Fail(f"import torch failed: {_last_line(proc.stderr)}")
+            self._torch = json.loads(proc.stdout.strip().splitlines()[-1])
+        return self._torch
+
+    @property
+    def gpu_count(self) -> int:
+        return len(self.torch_facts()["gpus"])
+
+    def gpu_recipe(self) -> bool:
+        """The recipe trains on GPUs (it asks for some, whether or not it may also run on CPU)."""
+        return self.recipe is not None and self.recipe.info.hardware.gpus_per_node > 0
+
+    def require_runnable_here(self) -> None:
+        """Skip a heavy step for a recipe that needs GPUs this machine does not have."""
+        hw = self.recipe.info.hardware if self.recipe else None
+        if hw is not None and hw.needs_gpu and self.gpu_count < hw.gpus_per_node:
+            raise Skip(f"the recipe needs {hw.gpus_per_node} GPU(s) per node; this machine has {self.gpu_count}")
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    summary: str
+    timeout_s: float
+    run: Callable[[Context], str]  # returns the detail of a pass; raises Skip or Fail
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Steps
+
+
+def check_python(ctx: Context) -> str:
+    from primerl.recipes.pins import python_matches, python_version
+
+    found = python_version()
+    if ctx.recipe is None:
+        return f"Python {found} (no recipe, no pin to match)"
+    pinned = ctx.recipe.pins.python
+    if not python_matches(pinned, found):
+        raise Fail(f"Python {found}, the recipe pins {pinned}")
+    return f"Python {found} matches the pin {pinned}"
+
+
+def check_torch(ctx: Context) -> str:
+    facts = ctx.torch_facts()
+    gpus = facts["gpus"]
+    seen = f"torch {facts['version']}, {len(gpus)} GPU(s)" + (f": {gpus[0]['name']}" if gpus else "")
+    hw = ctx.recipe.info.hardware if ctx.recipe else None
+    if hw is None or hw.gpus_per_node == 0:
+        return seen
+    enough = [g for g in gpus if g["memory_gb"] >= hw.gpu_memory_gb]
+    if len(enough) >= hw.gpus_per_node:
+        return f"{seen}; the recipe needs {hw.gpus_per_node} with {hw.gpu_memory_gb:g} GiB"
+    if hw.cpu_allowed and not gpus:
+        return f"{seen}; the recipe will run on CPU (it asks for {hw.gpus_per_node} GPU(s) but allows CPU)"
+    raise Fail(f"{seen}; the recipe needs {hw.gpus_per_node} GPU(s) with >= {hw.gpu_memory_gb:g} GiB each")
+
+
+def check_flash_attn(ctx: Context) -> str:
+    if ctx.recipe is not None and not ctx.gpu_recipe():
+        raise Skip("CPU recipe: flash-attn is not used")
+    if ctx.gpu_count == 0:
+        raise Skip("no CUDA GPU on this machine")
+    proc = subprocess.run([sys.executable, "-c", "import flash_attn; print(flash_attn.__version__)"],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise Fail(f"import flash_attn failed: {_last_line(proc.stderr)}")
+    return f"flash_attn {proc.stdout.strip()}"
+
+
+def check_disk(ctx: Context) -> str:
+    need = ctx.recipe.info.hardware.min_disk_gb if ctx.recipe else 1.0
+    folder = ctx.run_dir.resolve()
+    while not folder.exists():
+        folder = folder.parent
+    free = shutil.disk_usage(folder).free / 2**30
+    if free < need:
+        raise Fail(f"{free:.1f} GiB free under {folder}, the recipe needs {need:g} GiB")
+    return f"{free:.1f} GiB free under {folder} (needs {need:g})"
+
+
+def check_memory(ctx: Context) -> str:
+    from primerl.recipes.manifest import memory_gb
+
+    need = ctx.recipe.info.hardware.min_memory_gb if ctx.recipe else 0.0
+    total = memory_gb()
+    if total is None:
+        raise Skip("cannot read the host's memory size")
+    if total < need:
+        raise Fail(f"{total:g} GiB of memory, the recipe needs {need:g} GiB")
+    return f"{total:g} GiB of memory (needs {need:g})"
+
+
+def check_ports(ctx: Context) -> str:
+    ports = sorted(set(_ports_of(_stage_tree(ctx)))) if ctx.recipe else []
+    if not ports:
+        return "the run binds no fixed port (servers pick a free one)"
+    busy = [p for p in ports if not _port_free(p)]
+    if busy:
+        raise Fail(f"port(s) {busy} are in use")
+    return f"port(s) {ports} are free"
+
+
+def check_run_dir(ctx: Context) -> str:
+    try:
+        ctx.run_dir.mkdir(parents=True, exist_ok=True)
+        probe = ctx.run_dir / f".checklist-probe-{os.getpid()}"
+        with open(probe, "wb") as f:
+            f.write(b"ok")
+            f.flush()
+            os.fsync(f.fileno())
+        probe.unlink()
+    except OSError as e:
+        raise Fail(f"{ctx.run_dir} is not writable: {e.strerror or e}") from None
+    return f"{ctx.run_dir} is writable"
+
+
+def check_model(ctx: Context) -> str:
+    from primerl.recipes.pins import PinReport, verify_model
+
+    if ctx.recipe is None:
+        raise Skip("no recipe given: no pinned model")
+    report = PinReport()
+    verify_model(ctx.recipe, report, ctx.say)
+    if report.drifted:
+        raise Fail("; ".join(c.line() for c in report.drifted))
+    files = [c for c in report.checks if c.name.startswith("model file")]
+    unpinned = [c for c in report.checks if c.status == "unpinned"]
+    note = f"; {len(unpinned)} pin(s) unpinned (present, not verified)" if unpinned else ""
+    return f"{ctx.recipe.pins.model.source}: {len(files) - len(unpinned)} file(s) match their pins{note}"
+
+
+def check_sft_trainer(ctx: Context) -> str:
+    config = _project_file(FAKE_SFT_CONFIG)
+    work = ctx.work_dir / "sft_trainer"
+    _run_command(ctx, "sft_trainer", ["sft", "@", str(config), "--run_dir", str(work)], timeout_s=600)
+    return f"primerl sft @ {FAKE_SFT_CONFIG} finished"
+
+
+def check_rl_trainer(ctx: Context) -> str:
+    config = _project_file(FAKE_RL_CONFIG)
+    work = ctx.work_dir / "rl_trainer"
+    _run_command(ctx, "rl_trainer", ["trainer", "@", str(config), "--run_dir", str(work)], timeout_s=600)
+    return f"primerl trainer @ {FAKE_RL_CONFIG} finished"
+
+
+def check_inference(ctx: Context) -> str:
+    import httpx
+
+    from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
+
+    ctx.require_runnable_here()
+    config_file = ctx.log_dir / "inference.toml"
+    config_file.write_text(_inference_config(ctx))
+    port = _free_port()
+    server = ManagedProcess("inference", primerl_command("inference", "@", str(config_file), "--port", str(port)),
+                            ctx.log_dir / "inference.log", env=child_environment(keep_primerl_vars=PASSED_ON_VARS))
+    base = f"http://127.0.0.1:{port}"
+    server.start()
+    try:
+        started = last_note = time.monotonic()
+        with httpx.Client(base_url=base, timeout=60) as client:
+            while True:
+                if server.poll() is not None:
+                    raise Fail(f"the server exited with code {server.poll()}: {_last_line(server.tail())}")
+                try:
+                    if client.get("/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                now = time.monotonic()
+                if now - started > INFERENCE_STARTUP_S:
+                    raise Fail(f"{base}/health did not answer within {INFERENCE_STARTUP_S} s (log: {server.log_path})")
+                if now - last_note > PROGRESS_EVERY_S:
+                    ctx.say(f"waiting for {base}/health ({now - started:.0f} s)")
+                    last_note = now
+                time.sleep(0.5)
+            models = client.get("/v1/models").json()["data"]
+            name = models[0]["id"]
+            reply = client.post("/v1/chat/completions", json={
+                "model": name, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                "temperature": 0,
+            })
+            if reply.status_code != 200:
+                raise Fail(f"chat completion answered {reply.status_code}: {reply.text[:200]}")
+            text = reply.json()["choices"][0]["message"]["content"]
+    finally:
+        stop_all([server], grace_s=10)
+    return f"served {name}; /health, /v1/models and one chat request ({len(text or '')} chars) answered"
+
+
+def check_rl_smoke(ctx: Context) -> str:
+    from primerl.config import to_toml
+
+    if ctx.recipe is None:
+        raise Skip("no recipe given: no smoke variant to run")
+    if "rl" not in ctx.recipe.stages:
+        raise Skip("the recipe has no rl stage")
+    ctx.require_runnable_here()
+    run_dir = (ctx.work_dir / "rl_smoke").resolve()
+    cfg = validate_stage(ctx.recipe, "rl", run_dir=run_dir, smoke=True)
+    config_file = ctx.log_dir / "rl_smoke.toml"
+    config_file.write_text(to_toml(cfg))
+    _run_command(ctx, "rl_smoke", ["rl", "@", str(config_file)], timeout_s=900)
+    return f"primerl rl ran the smoke variant ({cfg.max_steps} step(s))"
+
+
+STEPS: tuple[Step, ...] = (
+    Step("python", "Python version matches the pin", 10, check_python),
+    Step("torch", "torch imports and sees the GPUs the recipe needs", 330, check_torch),
+    Step("flash_attn", "flash_attn imports (GPU recipes)", 330, check_flash_attn),
+    Step("disk", "free disk space for the run directory", 10, check_disk),
+    Step("memory", "host memory", 10, check_memory),
+    Step("ports", "the ports the run binds are free", 10, check_ports),
+    Step("run_dir", "the run directory is writable", 30, check_run_dir),
+    Step("model", "model files present with the pinned hashes", 1800, check_model),
+    Step("sft_trainer", f"primerl sft runs {FAKE_SFT_CONFIG}", 660, check_sft_trainer),
+    Step("rl_trainer", f"primerl trainer runs {FAKE_RL_CONFIG}", 660, check_rl_trainer),
+    Step("inference", "the inference server answers /health, /v1/models and a chat request", 660, check_inference),
+    Step("rl_smoke", "the full RL stack runs the recipe's smoke variant", 960, check_rl_smoke),
+)
+STEP_NAMES = tuple(s.name for s in STEPS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Helpers of the steps
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _project_file(relative: str) -> Path:
+    """A file of the primerl project (configs/...): under the working directory, else next to primerl's sources."""
+    import primerl
+
+    for root in (Path.cwd(), *Path(primerl.__file__).resolve().parents):
+        if (root / relative).is_file():
+            return root / relative
+    raise Fail(f"{relative} not found (run from the primerl checkout or image)")
+
+
+def _run_command(ctx: Context, name: str, args: Sequence[str], timeout_s: float) -> None:
+    """Run `primerl <args>` with its output in `<log dir>/<name>.log`, printing progress; Fail on error or timeout."""
+    from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
+
+    proc = ManagedProcess(name, primerl_command(*args), ctx.log_dir / f"{name}.log",
+                          env=child_environment(keep_primerl_vars=PASSED_ON_VARS))
+    proc.start()
+    started = last_note = time.monotonic()
+    try:
+        while proc.poll() is None:
+            now = time.monotonic()
+            if now - started > timeout_s:
+                raise Fail(f"timed out after {timeout_s:.0f} s (log: {proc.log_path})")
+            if now - last_note > PROGRESS_EVERY_S:
+                ctx.say(f"{name}: {now - started:.0f} s, {_last_line(proc.tail(5))[:100]}")
+                last_note = now
+            time.sleep(0.5)
+    finally:
+        stop_all([proc], grace_s=10)
+    if proc.poll() != 0:
+        raise Fail(f"exit code {proc.poll()}: {_last_line(proc.tail())[:300]} (log: {proc.log_path})")
+
+
+def _stage_tree(ctx: Context) -> dict[str, Any]:
+    assert ctx.recipe is not None
+    return {name: stage_values(ctx.recipe, name, run_dir=ctx.run_dir) for name in ctx.recipe.stages}
+
+
+def _ports_of(node: Any) -> Iterator[int]:
+    """Every non-zero integer `port` in a config tree."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "port" and isinstance(value, int) and value > 0:
+                yield value
+            else:
+                yield from _ports_of(value)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _inference_config(ctx: Context) -> str:
+    """`primerl inference` config: the recipe's (smoke) RL inference settings and model, else the tiny model."""
+    from primerl.config import to_toml
+    from primerl.config.inference import InferenceConfig
+
+    if ctx.recipe is None or "rl" not in ctx.recipe.stages:
+        return to_toml(InferenceConfig(model={"name": "tiny"}, max_model_len=512))
+    from primerl.config.rl import DeviceAssignment
+
+    cfg = validate_stage(ctx.recipe, "rl", run_dir=ctx.work_dir.resolve() / "inference", smoke=True)
+    gpus = [0] if ctx.gpu_count else []
+    inference, _, _ = cfg.process_configs(DeviceAssignment(gpus, gpus), base_url="http://127.0.0.1:0")
+    return to_toml(inference.model_copy(update={"admin_token": None, "admin_token_file": None}))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Running the checklist
+
+
+@dataclass
+class ChecklistReport:
+    recipe: str | None
+    run_dir: str
+    steps: list[StepResult]
+
+    @property
+    def failed(self) -> list[StepResult]:
+        return [s for s in self.steps if s.status == "failed"]
+
+    def statuses(self) -> dict[str, Status]:
+        return {s.name: s.status for s in self.steps}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed,
+                "steps": [asdict(s) for s in self.steps]}
+
+    def table(self) -> str:
+        width = max(len(s.name) for s in self.steps) if self.steps else 4
+        rows = [f"{'step'.ljust(width)}  status   seconds  detail"]
+        rows += [f"{s.name.ljust(width)}  {s.status.ljust(7)}  {s.seconds:7.1f}  {s.detail}" for s in self.steps]
+        return "\n".join(rows)
+
+
+def select_steps(only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[Step]:
+    unknown = [n for n in (*only, *skip) if n not in STEP_NAMES]
+    if unknown:
+        raise ValueError(f"unknown step(s) {unknown}; steps: {', '.join(STEP_NAMES)}")
+    return [s for s in STEPS if (not only or s.name in only) and s.name not in skip]
+
+
+def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path | None = None,
+                  out=sys.stdout) -> ChecklistReport:
+    """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` (default: a
+    fresh temporary directory, printed) and are kept; their outputs go to a scratch directory removed at the end."""
+    if log_dir is None:
+        log_dir = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
+        print(f"checklist logs: {log_dir}", file=out, flush=True)
+    log_dir.mkdir(parents=True, exist_ok=True)
+
+    def say(message: str) -> None:
+        print(f"        {message}", file=out, flush=True)
+
+    results = []
+    with tempfile.TemporaryDirectory(prefix="primerl-checklist-") as work_dir:
+        ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say)
+        for i, step in enumerate(steps, 1):
+            print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ...", file=out, flush=True)
+            result = _run_step(step, ctx)
+            print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
+            results.append(result)
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results)
+
+
+def _run_step(step: Step, ctx: Context) -> StepResult:
+    """Run one step in a worker thread so its timeout holds even for in-process work."""
+    outcome: list[tuple[Status, str]] = []
+
+    def work() -> None:
+        try:
+            outcome.append(("passed", step.run(ctx)))
+        except Skip as e:
+            outcome.append(("skipped", str(e)))
+        except Fail as e:
+            outcome.append(("failed", str(e)))
+        except Exception as e:  # noqa: BLE001 -- a step that crashes is a failed step, reported with its error
+            outcome.append(("failed", f"{type(e).__name__}: {e}"))
+
+    started = time.monotonic()
+    worker = threading.Thread(target=work, name=f"check-{step.name}", daemon=True)
+    worker.start()
+    worker.join(step.timeout_s)
+    seconds = round(time.monotonic() - started, 1)
+    if not outcome:
+        return StepResult(step.name, "failed", f"timed out after {step.timeout_s:.0f} s", seconds)
+    status, detail = outcome[0]
+    return StepResult(step.name, status, detail, seconds)
+
+
+def write_report(report: ChecklistReport, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    tmp.replace(path)
+
+
+def _names(text: str) -> list[str]:
+    return [n.strip() for n in text.split(",") if n.strip()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="primerl check",
+        description="Run the validation checklist: can this machine run the recipe? Steps: " + ", ".join(STEP_NAMES),
+    )
+    parser.add_argument("recipe", nargs="?", help="recipe file (pins, hardware and smoke variant to check against)")
+    parser.add_argument("--only", type=_names, default=[], help="comma-separated steps to run (default: all)")
+    parser.add_argument("--skip", type=_names, default=[], help="comma-separated steps to leave out")
+    parser.add_argument("--run-dir", type=Path, help=f"run directory to check (default: runs/<recipe> or {DEFAULT_RUN_DIR})")
+    parser.add_argument("--report", type=Path, help="JSON report path (default: <run dir>/checklist.json)")
+    parser.add_argument("--list", action="store_true", help="list the steps and exit")
+    args = parser.parse_args(argv)
+    if args.list:
+        for step in STEPS:
+            print(f"{step.name:12s} {step.summary} (timeout {step.timeout_s:.0f} s)")
+        return 0
+    try:
+        steps = select_steps(args.only, args.skip)
+        recipe = load_recipe(args.recipe) if args.recipe else None
+        if recipe is not None:
+            recipe.require_supported()
+    except (ValueError, RecipeError) as e:
+        print(f"primerl check: error: {e}", file=sys.stderr)
+        return 2
+    run_dir = args.run_dir or (Path("runs") / recipe.name if recipe else DEFAULT_RUN_DIR)
+    report = run_checklist(recipe, run_dir, steps)
+    print("\n" + report.table())
+    report_path = args.report or run_dir / "checklist.json"
+    try:
+        write_report(report, report_path)
+        print(f"report: {report_path}")
+    except OSError as e:
+        print(f"primerl check: cannot write the report {report_path}: {e}", file=sys.stderr)
+        return 1
+    if report.failed:
+        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,122 @@
+"""Config of `primerl orchestrator`: which environment, how many rollouts per step, advantages, the async bound."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, SecretStr, model_validator
+
+from primerl.config.base import ProcessConfig, Section
+from primerl.config.common import ModelConfig
+
+
+class EnvSection(Section):
+    """The verifiers environment the rollouts run in, by id (an installed environment package)."""
+
+    id: str = Field("reverse-text", description="environment id, e.g. reverse-text, alphabet-sort, wordle, math")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the environment's loader")
+
+
+class ClientSection(Section):
+    """How the orchestrator reaches the inference server."""
+
+    base_url: str = Field("http://127.0.0.1:8000", description="inference server root URL (no /v1 suffix)")
+    request_timeout_s: float = Field(600.0, gt=0, description="give up on one model call after this long")
+    startup_timeout_s: float = Field(900.0, gt=0, description="wait this long for the server's /health at start")
+
+
+class SamplingSection(Section):
+    """Sampling parameters of every rollout."""
+
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (the trainer divides its logits by it)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    max_tokens: int = Field(256, ge=1, description="new tokens per model call at most")
+
+
+class BatchSection(Section):
+    """What one trainer step gets: `tasks_per_step` groups of `group_size` rollouts, packed into rows."""
+
+    tasks_per_step: int = Field(8, ge=1, description="tasks (prompts) per step; each gives one group of rollouts")
+    group_size: int = Field(8, ge=1, description="rollouts per task; advantages compare rollouts of one group")
+    seq_len: int = Field(2048, ge=8, description="tokens per packed row (longer samples are truncated, counted)")
+    num_ranks: int = Field(1, ge=1, description="trainer data-parallel ranks the rows are split over")
+    max_concurrent_groups: int | None = Field(
+        None, ge=1, description="groups in flight at most (None: as many as the async bound allows)"
+    )
+
+
+class AdvantageSection(Section):
+    """How rewards become advantages, and which groups are worth training on."""
+
+    path: str = Field(
+        "primerl.orchestrator.advantages:group_mean_baseline",
+        description="import path module:function; built-ins: group_mean_baseline (reward - group mean), grpo "
+        "(also divided by the group std)",
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the function")
+    drop_zero_advantage: bool = Field(
+        True, description="drop groups whose advantages are all zero (no learning signal) and sample new tasks"
+    )
+    max_extra_groups: int | None = Field(
+        None,
+        ge=0,
+        description="extra groups one step may sample to replace dropped ones before it keeps zero-advantage groups "
+        "(None: tasks_per_step)",
+    )
+
+
+class OrchestratorCheckpointSection(Section):
+    """The orchestrator's own progress (next step, task cursor, counters) under checkpoints/step_<n>/orchestrator/."""
+
+    interval: int = Field(1, ge=1, description="save after every this many batches")
+    keep_last: int = Field(2, ge=1, description="keep the newest this many orchestrator checkpoints")
+
+
+class OrchestratorConfig(ProcessConfig):
+    """The orchestrator: runs the environment against the inference server, scores rollouts, computes advantages,
+    writes `rollouts/step_<n>/`, and loads each new `weights/step_<k>/` into the server."""
+
+    run_dir: Path = Field(Path("runs/debug"), description="the run directory shared with the other processes")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy being trained (served by inference)")
+    served_model_name: str | None = Field(None, description="name the server serves the model as (default: model.name)")
+    env: EnvSection = Field(default_factory=EnvSection, description="environment")
+    client: ClientSection = Field(default_factory=ClientSection, description="inference server")
+    admin_token: SecretStr | None = Field(
+        None, description="bearer token of the server's /admin routes; read from PRIMERL_ADMIN_TOKEN"
+    )
+    sampling: SamplingSection = Field(default_factory=SamplingSection, description="sampling")
+    batch: BatchSection = Field(default_factory=BatchSection, description="batch size and packing")
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection, description="advantages and filtering")
+    max_steps: int | None = Field(None, ge=1, description="write this many batches, then exit (None: run on)")
+    max_async_steps: int = Field(
+        1,
+        ge=0,
+        description="step n's rollouts start only once inference holds policy >= n - max_async_steps (0: synchronous)",
+    )
+    max_off_policy_steps: int | None = Field(
+        None,
+        ge=0,
+        description="drop (and count) samples whose oldest policy version is older than step - this "
+        "(None: max_async_steps)",
+    )
+    seed: int = Field(0, description="seed of the task order")
+    weights_poll_s: float = Field(0.2, gt=0, description="how often to look for new weights/step_<k>/")
+    ckpt: OrchestratorCheckpointSection = Field(
+        default_factory=OrchestratorCheckpointSection, description="orchestrator checkpoints"
+    )
+    resume: bool = Field(False, description="continue from the newest orchestrator checkpoint in run_dir")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> OrchestratorConfig:
+        if self.max_off_policy_steps is not None and self.max_off_policy_steps < self.max_async_steps:
+            raise ValueError(
+                f"max_off_policy_steps ({self.max_off_policy_steps}) < max_async_steps ({self.max_async_steps}) "
+                "would drop rollouts the async bound allows"
+            )
+        return self
+
+    @property
+    def off_policy_limit(self) -> int:
+        """Oldest policy lag a sample may have when it goes into a batch."""
+        return self.max_async_steps if self.max_off_policy_steps is None else self.max_off_policy_steps

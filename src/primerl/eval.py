@@ -1,0 +1,192 @@
+"""`primerl eval`: run an environment against a model and report avg@k and pass@k.
+
+    eval --model.name smollm2-135m-instruct --env.id reverse-text --num_examples 32 --rollouts_per_example 4
+
+Without `--base_url` it starts `primerl inference` for the model (log in `<output_dir>/logs/inference.log`) and stops it
+at the end; with `--base_url` it evaluates any OpenAI-compatible server. Each task gets k rollouts through verifiers'
+own machinery (the same environments and harnesses as training). Results go to `<output_dir>/results.json`:
+    {"env", "model", "k", "num_examples", "avg@k", "pass@k", "pass@1", "reward_std", "errors", "seconds",
+     "rollouts_per_s", "examples": [{"task_id", "rewards"}, ...]}
+avg@k is the mean reward over all rollouts; pass@k the fraction of tasks with at least one rollout whose reward reaches
+`pass_threshold`; pass@1 the mean per-rollout pass rate (the unbiased pass@1 estimate from k samples).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import httpx
+
+from primerl.config import config_from_argv
+from primerl.config.eval import EvalConfig
+from primerl.config.inference import InferenceConfig
+
+log = logging.getLogger("primerl.eval")
+
+RESULTS_FILE = "results.json"
+
+
+def summarize(rewards: Sequence[Sequence[float]], k: int, pass_threshold: float) -> dict[str, float]:
+    """avg@k, pass@k and pass@1 from the rewards of each task's k rollouts."""
+    if not rewards:
+        raise ValueError("no tasks were evaluated")
+    flat = [r for task in rewards for r in task]
+    passed = [[r >= pass_threshold for r in task] for task in rewards]
+    return {
+        f"avg@{k}": statistics.fmean(flat),
+        f"pass@{k}": statistics.fmean(float(any(p)) for p in passed),
+        "pass@1": statistics.fmean(statistics.fmean(map(float, p)) for p in passed if p),
+        "reward_std": statistics.pstdev(flat),
+    }
+
+
+def select_tasks(taskset: Any, count: int, seed: int) -> list[Any]:
+    """`count` distinct tasks in the seeded order the orchestrator uses (all of them when the taskset is smaller)."""
+    from primerl.orchestrator.loop import TaskStream
+
+    stream = TaskStream(taskset, seed)
+    return [stream.next() for _ in range(min(count, len(stream) or count))]
+
+
+async def wait_until_serving(base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as http:
+        while True:
+            try:
+                if (await http.get("/v1/models")).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+
+async def evaluate(cfg: EvalConfig, base_url: str) -> dict[str, Any]:
+    import verifiers.v1 as vf
+
+    from primerl.orchestrator import rollouts as bridge
+
+    env = bridge.load_env(cfg.env.id, **cfg.env.args)
+    tasks = select_tasks(env.taskset, cfg.num_examples, cfg.seed)
+    if cfg.client == "token":
+        from primerl.models import resolve_model
+
+        client = bridge.train_client(base_url, renderer_model=resolve_model(cfg.model.name, cfg.model.revision))
+    else:
+        client = bridge.chat_client(base_url)
+    sampling = vf.SamplingConfig(
+        temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
+    )
+    ctx = vf.ModelContext(model=cfg.served_model_name or cfg.model.name, client=client, sampling=sampling)
+    await wait_until_serving(base_url, cfg.startup_timeout_s)
+    slots = asyncio.Semaphore(cfg.max_concurrent)
+
+    async def rollout(task: Any) -> list[Any]:
+        async with slots:
+            episode = await env.run_episode(task, ctx)
+        return bridge.samples_from_episode(episode, (0, 0))
+
+    started = time.monotonic()
+    async with env.serving():
+        per_task = await asyncio.gather(
+            *(asyncio.gather(*(rollout(task) for _ in range(cfg.rollouts_per_example))) for task in tasks)
+        )
+    seconds = time.monotonic() - started
+    examples, errors = [], 0
+    for task, rollouts in zip(tasks, per_task):
+        rewards = []
+        for samples in rollouts:
+            rewards.append(float(samples[0].reward) if samples else 0.0)  # one reward per rollout
+            errors += any(s.error is not None for s in samples)
+        examples.append({"task_id": task.data.id, "rewards": rewards})
+    k = cfg.rollouts_per_example
+    return {
+        "env": cfg.env.id,
+        "model": cfg.model.name,
+        "k": k,
+        "num_examples": len(examples),
+        **summarize([e["rewards"] for e in examples], k, cfg.pass_threshold),
+        "pass_threshold": cfg.pass_threshold,
+        "errors": errors,
+        "seconds": round(seconds, 3),
+        "rollouts_per_s": len(examples) * k / seconds if seconds > 0 else None,
+        "examples": examples,
+    }
+
+
+def start_server(cfg: EvalConfig):
+    """Start `primerl inference` for `cfg.model`; return (process, base_url)."""
+    from primerl.launch.local import free_port, write_process_config
+    from primerl.launch.processes import ManagedProcess, child_environment, primerl_command
+    from primerl.models import resolve_model
+
+    resolve_model(cfg.model.name, cfg.model.revision)  # build or convert once, before the server needs it
+    port = cfg.inference.port or free_port(cfg.inference.host)
+    server_cfg = InferenceConfig(**{**cfg.inference.model_dump(), "model": cfg.model.model_dump(), "seed": cfg.seed,
+                                    "port": port})
+    config_path = cfg.output_dir / "config" / "inference.toml"
+    write_process_config(config_path, server_cfg, exclude={"admin_token", "admin_token_file"})
+    server = ManagedProcess("inference", primerl_command("inference", "@", str(config_path)),
+                            cfg.output_dir / "logs" / "inference.log", child_environment())
+    server.start()
+    host = "127.0.0.1" if cfg.inference.host in ("0.0.0.0", "") else cfg.inference.host
+    return server, f"http://{host}:{port}"
+
+
+def run_eval(cfg: EvalConfig) -> int:
+    """Evaluate and write `<output_dir>/results.json`; return the exit code."""
+    from primerl.launch.processes import stop_all
+
+    cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    server, base_url = (None, cfg.base_url) if cfg.base_url else start_server(cfg)
+    try:
+        results = asyncio.run(_evaluate_watching(cfg, base_url, server))
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # noqa: BLE001 - reported in one line (with the server's log when it is ours)
+        print(f"primerl eval: {type(e).__name__}: {e}", file=sys.stderr)
+        if server is not None:
+            print(f"last lines of {server.log_path}:\n{server.tail()}", file=sys.stderr)
+        return 1
+    finally:
+        if server is not None:
+            stop_all([server], grace_s=15)
+    path = cfg.output_dir / RESULTS_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(results, indent=1))
+    tmp.replace(path)
+    k = results["k"]
+    print(f"eval {results['env']} | {results['model']} | {results['num_examples']} tasks x {k} | "
+          f"avg@{k} {results[f'avg@{k}']:.4f} | pass@{k} {results[f'pass@{k}']:.4f} | pass@1 {results['pass@1']:.4f} | "
+          f"errors {results['errors']} | {results['seconds']:.1f}s -> {path}")
+    return 0
+
+
+async def _evaluate_watching(cfg: EvalConfig, base_url: str, server) -> dict[str, Any]:
+    """`evaluate`, aborted early if the server eval started dies."""
+    work = asyncio.create_task(evaluate(cfg, base_url))
+    while not work.done():
+        await asyncio.wait({work}, timeout=0.5)
+        if server is not None and server.poll() is not None and not work.done():
+            work.cancel()
+            raise RuntimeError(f"the inference server exited with code {server.poll()}")
+    return work.result()
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_argv(EvalConfig, argv, prog="primerl eval")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_eval(cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

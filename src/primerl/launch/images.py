@@ -1,0 +1,432 @@
+"""`primerl image build | run | inspect`: primerl's container images through the Docker API (docker-py).
+
+    primerl image build [--variant cpu|cuda] [--tag T] [--platform linux/arm64] [--base-image IMG] [--build-arg K=V]
+    primerl image run [--run-dir DIR] [--gpus auto|all|none|N|0,1] IMAGE rl recipes/tiny.toml --run-dir runs/tiny
+    primerl image inspect IMAGE
+
+`build` uses the daemon's classic builder with the host network (pip and uv inside the build reach the package index
+directly), streams the build's steps with their elapsed time, and ends by printing the image id `sha256:<64 hex>`:
+the digest recipes pin. The image id is the sha256 of the image's configuration, which names every layer by the
+sha256 of its content, so it identifies exactly what was built and is the same on every daemon that holds the image
+(`docker run sha256:...` and `docker save` accept it). A repository digest (`name@sha256:...`) exists only once an
+image has been pushed to a registry and depends on how the registry stores the layers; `inspect` prints it when there
+is one. Labels carry the pins (see docker/*.Dockerfile); `build` adds the git commit of the build context as
+`org.opencontainers.image.revision`.
+
+`run` takes its options before IMAGE, like `docker run`: everything after IMAGE is the command. It starts the image
+with the run directory mounted at /opt/primerl/runs, runs as the calling user (files in the run
+directory are yours), requests the GPUs (all of them by default for a cuda image, none for cpu), keeps primerl's model
+cache on the mounted directory, sets PRIMERL_IMAGE_ID for the run manifest, and streams the container's output; its
+exit status is the container's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RUNS_IN_IMAGE = "/opt/primerl/runs"
+PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+
+class ImageError(Exception):
+    """A build, run or inspection that cannot proceed; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    dockerfile: str  # relative to the build context
+    summary: str
+
+    def default_tag(self, context: Path) -> str:
+        """`primerl:cpu`, or `primerl:cuda<major>` from the CUDA version the cuda Dockerfile builds on."""
+        if self.name == "cuda":
+            cuda = dockerfile_args(context / self.dockerfile)["CUDA_VERSION"]
+            return f"primerl:cuda{cuda.split('.')[0]}"
+        return f"primerl:{self.name}"
+
+
+VARIANTS = {
+    "cpu": Variant("cpu", "docker/cpu.Dockerfile", "the locked environment without the GPU extra"),
+    "cuda": Variant("cuda", "docker/cuda.Dockerfile", "CUDA base, the locked environment with vllm and flash-attn"),
+}
+
+
+def dockerfile_args(path: Path) -> dict[str, str]:
+    """The default value of every build argument a Dockerfile declares (`ARG A=1 B="x y"`, continuation lines
+    joined, quotes removed); an argument without a default maps to ''. A name declared twice (before and after FROM)
+    keeps its first default."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    args: dict[str, str] = {}
+    for line in text.splitlines():
+        words = line.split(None, 1)
+        if len(words) == 2 and words[0].upper() == "ARG":
+            for item in shlex.split(words[1], comments=True):
+                name, _, value = item.partition("=")
+                args.setdefault(name, value)
+    return args
+
+
+def context_build_args(context: Path) -> dict[str, str]:
+    """Build arguments computed from the build context: the lock's sha256 and the project's version."""
+    project = tomllib.loads((context / "pyproject.toml").read_text())["project"]
+    return {
+        "LOCK_SHA256": hashlib.sha256((context / "uv.lock").read_bytes()).hexdigest(),
+        "PRIMERL_VERSION": project["version"],
+    }
+
+
+def git_revision(context: Path) -> str | None:
+    """The commit of the build context, with `-dirty` when tracked files differ from it; None outside git."""
+    try:
+        sha = subprocess.run(
+            ["git", "-C", str(context), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(context), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return f"{sha}-dirty" if dirty else sha
+
+
+# Seconds one Docker API call may take. Creating a container of a multi-gigabyte image takes minutes on the vfs
+# storage driver (it copies the whole file system), far beyond docker-py's default of 60 s.
+API_TIMEOUT_S = 900
+
+
+def docker_client():
+    """A docker-py client for DOCKER_HOST (default: the local socket), or ImageError when no daemon answers."""
+    import docker
+
+    try:
+        client = docker.from_env(timeout=API_TIMEOUT_S)
+        client.ping()
+    except docker.errors.DockerException as e:
+        raise ImageError(f"cannot reach a Docker daemon ({e}); start one or set DOCKER_HOST") from None
+    return client
+
+
+def parse_assignments(items: Iterable[str], what: str) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ImageError(f"{what} '{item}' is not KEY=VALUE")
+        out[key] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------- build
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    image_id: str  # sha256:<64 hex>, the digest recipes pin
+    tags: list[str]
+    platform: str  # os/architecture of the image
+    labels: dict[str, str]
+    seconds: float
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "image_id": self.image_id,
+            "tags": self.tags,
+            "platform": self.platform,
+            "labels": self.labels,
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def build_image(
+    client,
+    *,
+    context: Path,
+    variant: Variant,
+    tag: str,
+    build_args: Mapping[str, str] = {},
+    platform: str | None = None,
+    target: str | None = None,
+    network_mode: str = "host",
+    no_cache: bool = False,
+    progress=None,
+) -> BuildResult:
+    """Build `variant` from `context` with the classic builder; `progress(event)` sees every decoded build event.
+    Build arguments computed from the context (lock sha256, version) come first; `build_args` override them."""
+    args = {**context_build_args(context), **build_args}
+    labels = {}
+    revision = git_revision(context)
+    if revision:
+        labels["org.opencontainers.image.revision"] = revision
+    start = time.monotonic()
+    image_id = None
+    tail: list[str] = []
+    events = client.api.build(
+        path=str(context),
+        dockerfile=variant.dockerfile,
+        tag=tag,
+        buildargs=args,
+        labels=labels,
+        platform=platform,
+        target=target,
+        network_mode=network_mode,
+        nocache=no_cache,
+        rm=True,
+        forcerm=True,
+        pull=False,
+        decode=True,
+    )
+    for event in events:
+        if progress is not None:
+            progress(event)
+        if "stream" in event:
+            tail = (tail + event["stream"].splitlines())[-20:]
+        if "aux" in event and "ID" in event["aux"]:
+            image_id = event["aux"]["ID"]
+        if "error" in event:
+            detail = "\n  ".join(line for line in tail if line.strip())
+            raise ImageError(f"build of {tag} failed: {event['error'].strip()}\n  last output:\n  {detail}")
+    if image_id is None:
+        raise ImageError(f"build of {tag} ended without an image id")
+    attrs = client.images.get(image_id).attrs
+    return BuildResult(
+        image_id=image_id,
+        tags=[tag],
+        platform=f"{attrs.get('Os')}/{attrs.get('Architecture')}",
+        labels=dict(attrs["Config"].get("Labels") or {}),
+        seconds=time.monotonic() - start,
+    )
+
+
+class BuildProgress:
+    """Prints each build step with the time the previous one took, and (unless quiet) the steps' own output."""
+
+    def __init__(self, quiet: bool, out=sys.stderr):
+        self.quiet = quiet
+        self.out = out
+        self.start = self.step_start = time.monotonic()
+
+    def __call__(self, event: Mapping[str, Any]) -> None:
+        text = event.get("stream")
+        if not text:
+            return
+        for line in text.splitlines():
+            if line.startswith("Step "):
+                now = time.monotonic()
+                self.out.write(f"[{now - self.start:7.1f}s | prev {now - self.step_start:6.1f}s] {line}\n")
+                self.step_start = now
+            elif not self.quiet and line.strip() and not line.startswith(" ---> "):
+                self.out.write(f"    {line}\n")
+        self.out.flush()
+
+
+# ------------------------------------------------------------------------------------------------------------ run
+
+
+def gpu_requests(gpus: str, variant: str | None) -> list:
+    """Device requests for `--gpus`: 'auto' = all GPUs for a cuda image and none otherwise; 'all', 'none', a count,
+    or comma-separated device ids."""
+    import docker
+
+    if gpus == "auto":
+        gpus = "all" if variant == "cuda" else "none"
+    if gpus == "none":
+        return []
+    if gpus == "all":
+        return [docker.types.DeviceRequest(count=-1, capabilities=[["gpu"]])]
+    if gpus.isdigit():
+        return [docker.types.DeviceRequest(count=int(gpus), capabilities=[["gpu"]])]
+    return [docker.types.DeviceRequest(device_ids=gpus.split(","), capabilities=[["gpu"]])]
+
+
+def run_container(
+    client,
+    image: str,
+    command: list[str],
+    *,
+    run_dir: Path,
+    gpus: str = "auto",
+    user: str | None = None,
+    network_mode: str | None = None,
+    environment: Mapping[str, str] = {},
+    output=None,
+) -> int:
+    """Run `command` in `image` with `run_dir` mounted at /opt/primerl/runs; stream its output to `output`
+    (bytes, default stdout); return its exit status. The container is removed afterwards, also on Ctrl-C."""
+    img = client.images.get(image)
+    variant = (img.attrs["Config"].get("Labels") or {}).get("io.primerl.variant")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    requests = gpu_requests(gpus, variant)
+    env = {
+        "PRIMERL_IMAGE_ID": img.id,
+        "PRIMERL_CACHE": f"{RUNS_IN_IMAGE}/.cache/primerl",
+        "HOME": "/tmp",
+        **environment,
+    }
+    container = client.containers.run(
+        img.id,
+        command=command,
+        detach=True,
+        init=True,  # signals reach the launcher; zombies are reaped
+        user=user if user is not None else f"{os.getuid()}:{os.getgid()}",
+        environment=env,
+        volumes={str(run_dir.resolve()): {"bind": RUNS_IN_IMAGE, "mode": "rw"}},
+        device_requests=requests,
+        ipc_mode="host" if requests else None,  # NCCL and torch workers need more shared memory than 64 MB
+        network_mode=network_mode,
+    )
+    out = output or sys.stdout.buffer
+    try:
+        for chunk in container.logs(stream=True, follow=True):
+            out.write(chunk)
+            out.flush()
+        return int(container.wait()["StatusCode"])
+    except KeyboardInterrupt:
+        container.stop(timeout=30)
+        return 130
+    finally:
+        container.remove(force=True)
+
+
+# -------------------------------------------------------------------------------------------------------- inspect
+
+
+def describe(client, image: str) -> dict[str, Any]:
+    """What recipes pin and what the labels claim, for one local image."""
+    attrs = client.images.get(image).attrs
+    labels = attrs["Config"].get("Labels") or {}
+    return {
+        "image_id": attrs["Id"],
+        "repo_digests": attrs.get("RepoDigests") or [],
+        "tags": attrs.get("RepoTags") or [],
+        "platform": f"{attrs.get('Os')}/{attrs.get('Architecture')}",
+        "created": attrs.get("Created"),
+        "size_bytes": attrs.get("Size"),
+        "layers": len(attrs.get("RootFS", {}).get("Layers", [])),
+        "labels": dict(sorted(labels.items())),
+    }
+
+
+def _print_description(info: Mapping[str, Any]) -> None:
+    print(f'image id      {info["image_id"]}   (pin: {info["platform"]} = "{info["image_id"]}")')
+    for digest in info["repo_digests"]:
+        print(f"repo digest   {digest}")
+    print(f"tags          {', '.join(info['tags']) or '-'}")
+    print(f"platform      {info['platform']}")
+    print(f"size          {info['size_bytes'] / 1e9:.2f} GB in {info['layers']} layers")
+    for key, value in info["labels"].items():
+        print(f"label         {key} = {value}")
+
+
+# ------------------------------------------------------------------------------------------------------------ CLI
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="primerl image", description="primerl's container images (docker-py).")
+    sub = parser.add_subparsers(dest="action", required=True)
+
+    build = sub.add_parser("build", help="build an image; prints the image id recipes pin")
+    build.add_argument("--variant", choices=sorted(VARIANTS), default="cpu", help="which Dockerfile (default cpu)")
+    build.add_argument("--tag", help="image tag (default primerl:cpu or primerl:cuda<major>)")
+    build.add_argument("--platform", help="target platform, e.g. linux/amd64 or linux/arm64 (default: the daemon's)")
+    build.add_argument("--base-image", help="the BASE_IMAGE build argument: a local image standing in for the default")
+    build.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
+    build.add_argument("--target", help="stop at this stage of a multi-stage Dockerfile")
+    build.add_argument("--context", type=Path, default=PROJECT_ROOT, help="build context (default: the project)")
+    build.add_argument("--network", default="host", help="network of the build's RUN steps (default host)")
+    build.add_argument("--no-cache", action="store_true", help="rebuild every layer")
+    build.add_argument("--quiet", action="store_true", help="print only the steps, not their output")
+    build.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+
+    run = sub.add_parser("run", help="run a command in an image with a run directory mounted (options before IMAGE)")
+    run.add_argument("image", help="tag or image id")
+    run.add_argument("--run-dir", type=Path, default=Path("runs"), help=f"mounted at {RUNS_IN_IMAGE} (default runs)")
+    run.add_argument("--gpus", default="auto", help="auto (cuda image: all), all, none, a count, or ids '0,1'")
+    run.add_argument("--user", help="uid:gid in the container (default: yours; 'image' keeps the image's user)")
+    run.add_argument("--network", help="container network mode (default: the daemon's default)")
+    run.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
+    run.add_argument("command", nargs=argparse.REMAINDER, help="everything after IMAGE, e.g. rl recipes/tiny.toml")
+
+    inspect = sub.add_parser("inspect", help="print an image's id, digests, platform and pins")
+    inspect.add_argument("image", help="tag or image id")
+    inspect.add_argument("--json", action="store_true", help="print as one JSON object")
+    return parser
+
+
+def _build(args: argparse.Namespace) -> int:
+    client = docker_client()
+    context = args.context.resolve()
+    variant = VARIANTS[args.variant]
+    build_args = parse_assignments(args.build_arg, "--build-arg")
+    if args.base_image:
+        build_args["BASE_IMAGE"] = args.base_image
+    tag = args.tag or variant.default_tag(context)
+    print(f"building {tag} from {variant.dockerfile} ({variant.summary})", file=sys.stderr)
+    result = build_image(
+        client,
+        context=context,
+        variant=variant,
+        tag=tag,
+        build_args=build_args,
+        platform=args.platform,
+        target=args.target,
+        network_mode=args.network,
+        no_cache=args.no_cache,
+        progress=BuildProgress(quiet=args.quiet),
+    )
+    if args.json:
+        print(json.dumps(result.as_json()))
+    else:
+        print(f"built {tag} for {result.platform} in {result.seconds:.0f}s")
+        print(f"image id {result.image_id}")
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    user = None if args.user is None else ("" if args.user == "image" else args.user)
+    return run_container(
+        docker_client(),
+        args.image,
+        command,
+        run_dir=args.run_dir,
+        gpus=args.gpus,
+        user=user,
+        network_mode=args.network,
+        environment=parse_assignments(args.env, "--env"),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.action == "build":
+            return _build(args)
+        if args.action == "run":
+            return _run(args)
+        info = describe(docker_client(), args.image)
+        print(json.dumps(info, indent=2)) if args.json else _print_description(info)
+        return 0
+    except ImageError as e:
+        print(f"primerl image: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

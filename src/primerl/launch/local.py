@@ -1,0 +1,326 @@
+"""`rl`: run inference, orchestrator and trainer on this machine and watch them.
+
+    rl @ configs/reverse-text/rl.toml [--max_steps 40] [--resume]
+
+What it does, in order: resolves the config (`primerl.config.rl.RLConfig`), prepares the model once, assigns GPUs,
+writes each process's resolved config to `<run>/config/<process>.toml`, starts the three processes (the trainer under
+torchrun when it has several ranks) with one log file each in `<run>/logs/`, then prints one line per trained step
+(orchestrator and trainer metrics side by side) under a progress bar.
+
+It stops the run when the trainer and orchestrator have finished (exit 0), when any process dies (the others are
+stopped, the tail of the failed process's log is printed, exit 1), or on Ctrl-C / SIGTERM (SIGINT to every process,
+a grace period, then SIGKILL; exit 130).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pydantic
+import tomli_w
+
+from primerl.config import config_from_argv
+from primerl.config.rl import DeviceAssignment, RLConfig
+from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
+from primerl.monitor import METRICS_FILE, format_line
+
+ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
+ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
+TRAINER_KEYS = ["loss", "entropy", "mismatch_kl", "grad_norm", "tokens_per_s"]
+EXIT_INTERRUPTED = 130
+POLL_S = 0.25
+
+
+class LaunchError(Exception):
+    """A problem found before any process started; the message is one line."""
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preparation
+
+
+def visible_gpus() -> list[str]:
+    """CUDA devices this process may hand out, as the ids to put in CUDA_VISIBLE_DEVICES (no torch import)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_run_dir(run_dir: Path, resume: bool) -> None:
+    """A fresh run needs an empty (or new) run directory; a resumed one needs the old one."""
+    used = [name for name in ("rollouts", "weights", "checkpoints", METRICS_FILE) if (run_dir / name).exists()]
+    if resume and not used:
+        print(f"rl: --resume: nothing to resume in {run_dir}; starting a fresh run", file=sys.stderr)
+    if not resume and used:
+        raise LaunchError(f"{run_dir} already holds a run ({', '.join(used)}): pass --resume to continue it, or "
+                          "choose another output_dir")
+
+
+def _none_overrides(model: type[pydantic.BaseModel], values: Mapping[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys set to None whose default is not None: TOML has no null, so they cannot be passed in a file."""
+    out = []
+    for name, info in model.model_fields.items():
+        value = values.get(name)
+        annotation = info.annotation
+        if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel) and isinstance(value, dict):
+            out += _none_overrides(annotation, value, f"{prefix}{name}.")
+        elif value is None and name in values and info.get_default(call_default_factory=True) is not None:
+            out.append(prefix + name)
+    return out
+
+
+def write_process_config(path: Path, cfg: pydantic.BaseModel, exclude: set[str] = frozenset()) -> None:
+    """The resolved config of one process as TOML (secrets excluded: they travel in the environment)."""
+    values = cfg.model_dump(mode="json", exclude=exclude)
+    lost = _none_overrides(type(cfg), values)
+    if lost:
+        raise LaunchError(f"{path.stem}: {', '.join(lost)} = None cannot be written to a TOML config; set a value")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tomli_w.dumps(_drop_none(values)))
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Console
+
+
+class Console:
+    """Follows metrics.jsonl and prints one line per trained step: the orchestrator's record of the batch next to
+    the trainer's record of training on it, with a progress bar on a terminal."""
+
+    def __init__(self, run_dir: Path, max_steps: int, first_step: int, stream=sys.stdout):
+        self.path = run_dir / METRICS_FILE
+        self.max_steps = max_steps
+        self.stream = stream
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
+        self.orchestrator: dict[int, dict] = {}
+        self.first_record_at: float | None = None
+        self.steps_done = first_step
+        self.bar = None
+        if stream.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stderr)
+
+    def poll(self) -> None:
+        for record in self._new_records():
+            if self.first_record_at is None:
+                self.first_record_at = time.time()
+            if record.get("source") == "orchestrator":
+                self.orchestrator[record["step"]] = record
+            elif record.get("source") == "trainer":
+                self._trained(record)
+
+    def _new_records(self) -> list[dict]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
+        self.offset += len(complete)
+        records = []
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+        return records
+
+    def _trained(self, record: dict) -> None:
+        step = int(record["step"])
+        batch = self.orchestrator.pop(int(record.get("rollout_step", step - 1)), {})
+        merged = {**{k: batch.get(k) for k in ORCHESTRATOR_KEYS}, **{k: record.get(k) for k in TRAINER_KEYS}}
+        line = format_line(step, merged, ORCHESTRATOR_KEYS + TRAINER_KEYS).replace(
+            f"step {step}", f"step {step}/{self.max_steps}", 1)
+        if self.bar is not None:
+            self.bar.write(line)
+            self.bar.update(max(0, step - self.steps_done))
+        else:
+            print(line, file=self.stream, flush=True)
+        self.steps_done = max(self.steps_done, step)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The run
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpus: list[str]) -> list[ManagedProcess]:
+    """Write the three process configs and return their (not yet started) processes."""
+    host = cfg.inference.host
+    port = cfg.inference.port or free_port(host)
+    url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    inference, orchestrator, trainer = cfg.process_configs(devices, base_url=f"http://{url_host}:{port}")
+    inference.port = port
+    config_dir = run_dir / "config"
+    write_process_config(config_dir / "inference.toml", inference, exclude={"admin_token", "admin_token_file"})
+    write_process_config(config_dir / "orchestrator.toml", orchestrator, exclude={"admin_token"})
+    write_process_config(config_dir / "trainer.toml", trainer)
+    write_process_config(config_dir / "rl.toml", cfg)
+
+    token = os.environ.get(ADMIN_TOKEN_VAR) or secrets.token_urlsafe(32)
+    logs = run_dir / "logs"
+
+    def env(gpu_ids: list[int], with_token: bool) -> dict[str, str]:
+        extra = {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i] for i in gpu_ids)}
+        if with_token:
+            extra[ADMIN_TOKEN_VAR] = token
+        return child_environment(extra)
+
+    trainer_cmd = primerl_command("trainer", "@", str(config_dir / "trainer.toml"))
+    if devices.trainer_ranks > 1:
+        trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                       f"--nproc-per-node={devices.trainer_ranks}", "-m", "primerl.cli", *trainer_cmd[3:]]
+    return [
+        ManagedProcess("inference", primerl_command("inference", "@", str(config_dir / "inference.toml")),
+                       logs / "inference.log", env(devices.inference, with_token=True)),
+        ManagedProcess("orchestrator", primerl_command("orchestrator", "@", str(config_dir / "orchestrator.toml")),
+                       logs / "orchestrator.log", env([], with_token=True)),
+        ManagedProcess("trainer", trainer_cmd, logs / "trainer.log", env(devices.trainer, with_token=False)),
+    ]
+
+
+def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
+    """Run `cfg` to the end; return the exit code (0 done, 1 a process failed, 2 bad setup, 130 interrupted).
+
+    `resume` overrides `cfg.resume`. Callable from Python (recipes) as well as from `rl`'s command line.
+    """
+    if resume is not None and resume != cfg.resume:
+        cfg = cfg.model_copy(update={"resume": resume})
+    run_dir = cfg.output_dir.resolve()
+    cfg = cfg.model_copy(update={"output_dir": run_dir})
+    started = time.time()
+    try:
+        check_run_dir(run_dir, cfg.resume)
+        gpus = visible_gpus()
+        try:
+            devices = cfg.assign_devices(len(gpus))
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+        _prepare_model(cfg)
+        processes = build_processes(cfg, run_dir, devices, gpus)
+    except LaunchError as e:
+        print(f"rl: {e}", file=sys.stderr)
+        return 2
+
+    where = "CPU" if not gpus else (f"inference GPU {devices.inference or 'none'}, trainer GPU {devices.trainer or 'none'}"
+                                    + (" (colocated)" if devices.colocated else ""))
+    print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
+          f"{cfg.max_async_steps} | {where} | logs in {run_dir / 'logs'}", file=stream, flush=True)
+    first_step = _trained_steps(run_dir) if cfg.resume else 0
+    console = Console(run_dir, cfg.max_steps, first_step, stream)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        for p in processes:
+            p.start()
+        return _supervise(processes, console, cfg, stream, started)
+    except (KeyboardInterrupt, _Terminated):
+        print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
+        stop_all(processes, cfg.shutdown_grace_s)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous_term)
+        stop_all(processes, cfg.shutdown_grace_s)
+        console.close()
+
+
+def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream, started: float) -> int:
+    by_name = {p.name: p for p in processes}
+    finishers = {"orchestrator", "trainer"}  # inference serves until the launcher stops it
+    while True:
+        console.poll()
+        for p in processes:
+            code = p.poll()
+            if code is None or (code == 0 and p.name in finishers):
+                continue
+            others = [q for q in processes if q is not p]
+            stop_all(others, cfg.shutdown_grace_s)
+            console.poll()
+            why = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
+            print(f"rl: {p.name} {why}; last lines of {p.log_path}:\n{p.tail()}", file=sys.stderr, flush=True)
+            return 1
+        if all(by_name[name].poll() == 0 for name in finishers):
+            console.poll()
+            stop_all([by_name["inference"]], cfg.shutdown_grace_s)
+            print(f"rl: done, {cfg.max_steps} steps in {time.time() - started:.0f}s; metrics in "
+                  f"{cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
+            return 0
+        time.sleep(POLL_S)
+
+
+def _prepare_model(cfg: RLConfig) -> None:
+    """Build or convert a registry model once here, so the processes that start next all find it cached."""
+    from primerl.models import ModelError, resolve_model
+
+    try:
+        resolve_model(cfg.model.name, cfg.model.revision)
+    except ModelError as e:
+        raise LaunchError(str(e)) from None
+
+
+def _trained_steps(run_dir: Path) -> int:
+    from primerl.monitor import read_metrics
+
+    return max((int(r["step"]) for r in read_metrics(run_dir, "trainer")), default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`rl recipe.toml` runs a recipe (pins, checklist, stages); `rl [@] config.toml` runs a plain RL config."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    from primerl.recipes import recipe_in_argv
+
+    if recipe_in_argv(argv):
+        from primerl.recipes.run import main as run_recipe
+
+        return run_recipe(argv, prog="rl")
+    cfg = config_from_argv(RLConfig, argv, prog="rl", summary=(RLConfig.__doc__ or "").strip())
+    return run_rl(cfg)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

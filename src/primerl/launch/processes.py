@@ -1,0 +1,116 @@
+"""Child processes of a launcher: each writes to its own log file, runs in its own process group, dies with its
+parent, and is stopped politely first (SIGINT), then by force (SIGKILL to its whole group).
+
+Own process groups mean a Ctrl-C in the terminal reaches only the launcher, which then stops the children in order;
+on Linux each child also asks the kernel for SIGTERM when the launcher dies (even by SIGKILL), so no orphan keeps a
+GPU or a port.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def primerl_command(*args: str) -> list[str]:
+    """`primerl <args>` run by the interpreter of this process (works without the console scripts on PATH)."""
+    return [sys.executable, "-m", "primerl.cli", *args]
+
+
+def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars: Iterable[str] = ()) -> dict[str, str]:
+    """This process's environment without PRIMERL_* variables (children get complete config files instead, so the
+    variables already took effect here) except `keep_primerl_vars`, plus `extra`."""
+    keep = set(keep_primerl_vars)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_") or k in keep}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class ManagedProcess:
+    """One named child process with its log file."""
+
+    name: str
+    argv: Sequence[str]
+    log_path: Path
+    env: Mapping[str, str] | None = None
+    cwd: Path | None = None
+    popen: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.flush()
+            self.popen = subprocess.Popen(
+                list(self.argv),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=dict(self.env) if self.env is not None else None,
+                cwd=self.cwd,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 - launchers start children from one thread
+            )
+
+    @property
+    def pid(self) -> int:
+        assert self.popen is not None, f"{self.name} was not started"
+        return self.popen.pid
+
+    def poll(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the child's process group (the child and anything it started, e.g. torchrun's workers)."""
+        if self.popen is None or self.popen.poll() is not None:
+            return
+        try:
+            os.killpg(self.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, max_lines: int = 40) -> str:
+        """The last `max_lines` lines of the log."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 64 * 1024))
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        return "\n".join(lines[-max_lines:])
+
+
+def stop_all(processes: Sequence[ManagedProcess], grace_s: float, first_signal: int = signal.SIGINT) -> None:
+    """Send `first_signal` to every running process, wait up to `grace_s` seconds for all of them, then SIGKILL the
+    groups of those still running, and reap them."""
+    running = [p for p in processes if p.poll() is None]
+    for p in running:
+        p.signal_group(first_signal)
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in running) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in running:
+        if p.poll() is None:
+            p.signal_group(signal.SIGKILL)
+    for p in running:
+        if p.popen is not None:
+            p.popen.wait()

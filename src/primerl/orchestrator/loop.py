@@ -1,0 +1,524 @@
+"""`primerl orchestrator`: the async step loop that turns environment rollouts into training batches.
+
+Contract:
+- For step n = 0, 1, ... it samples `tasks_per_step` tasks, runs `group_size` rollouts of each against the inference
+  server (verifiers bridge, renderer client: token ids, sampling mask and log-probs per sample), computes advantages
+  per group, and publishes `rollouts/step_<n>/` atomically (`primerl.transport.rollouts.write_batch`).
+- The async rule (`scheduler.PolicyBound`): rollouts for step n start only once inference holds policy >= n -
+  max_async_steps; samples older than the off-policy limit are dropped and counted. Groups whose advantages are all
+  zero are dropped (configurable) and replaced by new tasks, up to `max_extra_groups` per step.
+- It watches `weights/` and loads each newer STABLE snapshot into the server through `POST /admin/update_weights`.
+- After each batch it appends a record to metrics.jsonl (source "orchestrator") and, every `ckpt.interval` batches,
+  saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
+
+Torch-free: it imports verifiers, httpx and numpy, never a model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import re
+import shutil
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import verifiers.v1 as vf
+
+from primerl.config import config_from_argv
+from primerl.config.orchestrator import OrchestratorConfig
+from primerl.models import resolve_model
+from primerl.monitor import MetricsLogger
+from primerl.orchestrator import rollouts as bridge
+from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
+from primerl.orchestrator.scheduler import PolicyBound
+from primerl.transport import rollouts as batches
+from primerl.transport import weights
+
+log = logging.getLogger("primerl.orchestrator")
+
+CHECKPOINTS_DIR = "checkpoints"
+ROLE = "orchestrator"
+STATE_FILE = "state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+MAX_FAILED_GROUPS_IN_A_ROW = 16  # groups whose every rollout errored, in a row, before the orchestrator gives up
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Progress that survives a restart
+
+
+@dataclass
+class Progress:
+    """What `--resume` restores: the next step to write, how many tasks were drawn, and the running totals."""
+
+    next_step: int = 0
+    tasks_drawn: int = 0
+    groups_dropped_zero_advantage: int = 0
+    samples_dropped_off_policy: int = 0
+    rollouts: int = 0
+
+
+def checkpoint_path(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS_DIR / f"step_{step}" / ROLE
+
+
+def saved_steps(run_dir: Path) -> list[int]:
+    root = run_dir / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / ROLE / STATE_FILE).is_file())
+
+
+def save_progress(run_dir: Path, progress: Progress, keep_last: int) -> Path:
+    """Write `checkpoints/step_<next_step>/orchestrator/` (temp name, then rename) and prune older ones."""
+    final = checkpoint_path(run_dir, progress.next_step)
+    tmp = final.with_name(ROLE + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / STATE_FILE).write_text(json.dumps(asdict(progress), indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for step in saved_steps(run_dir)[:-keep_last]:
+        shutil.rmtree(checkpoint_path(run_dir, step), ignore_errors=True)
+        step_dir = checkpoint_path(run_dir, step).parent
+        if step_dir.is_dir() and not any(step_dir.iterdir()):
+            step_dir.rmdir()
+    return final
+
+
+def load_progress(run_dir: Path) -> Progress | None:
+    steps = saved_steps(run_dir)
+    if not steps:
+        return None
+    return Progress(**json.loads((checkpoint_path(run_dir, steps[-1]) / STATE_FILE).read_text()))
+
+
+def published_steps(run_dir: Path) -> list[int]:
+    root = run_dir / batches.ROLLOUTS_DIR
+    if not root.is_dir():
+        return []
+    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / batches.META_FILE).is_file())
+
+
+def resume_progress(run_dir: Path) -> Progress:
+    """The progress to continue from: the newest checkpoint, moved past batches that were published after it (a
+    batch already on disk is never rewritten: a resumed trainer may be reading it)."""
+    progress = load_progress(run_dir) or Progress()
+    published = published_steps(run_dir)
+    if published and published[-1] >= progress.next_step:
+        progress.next_step = published[-1] + 1
+    return progress
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tasks
+
+
+class TaskStream:
+    """The environment's tasks in a seeded order: a fresh shuffle each pass over a finite taskset, the taskset's own
+    order for an infinite one. `drawn` counts tasks handed out, so a resumed run continues where it stopped."""
+
+    def __init__(self, taskset: Any, seed: int, drawn: int = 0):
+        self.drawn = drawn
+        self._seed = seed
+        self._tasks = list(taskset) if taskset.bounded else None
+        if self._tasks is not None and not self._tasks:
+            raise ValueError("the environment has no tasks")
+        self._epoch, self._order = -1, []
+        self._infinite = iter(taskset) if self._tasks is None else None
+        if self._infinite is not None:
+            for _ in range(drawn):
+                next(self._infinite)
+
+    def __len__(self) -> int:
+        return len(self._tasks) if self._tasks is not None else 0
+
+    def next(self) -> Any:
+        self.drawn += 1
+        if self._infinite is not None:
+            return next(self._infinite)
+        epoch, index = divmod(self.drawn - 1, len(self._tasks))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, list(range(len(self._tasks)))
+            random.Random(f"{self._seed}:{epoch}").shuffle(self._order)
+        return self._tasks[self._order[index]]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The policy inference serves
+
+
+class PolicyTracker:
+    """Knows the policy version the server samples with and moves it forward: each newer STABLE `weights/step_<k>/`
+    is loaded through `POST /admin/update_weights`. `changed` is set after every load."""
+
+    def __init__(self, http: httpx.AsyncClient, run_dir: Path, admin_token: str | None, poll_s: float):
+        self.http = http
+        self.run_dir = run_dir
+        self.admin_token = admin_token
+        self.poll_s = poll_s
+        self.version = 0
+        self.changed = asyncio.Event()
+        self.last_update_s: float | None = None
+
+    async def wait_until_serving(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                response = await self.http.get("/health")
+                if response.status_code == 200:
+                    self.version = int(response.json()["policy_version"])
+                    return
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"inference server at {self.http.base_url} not healthy after {timeout_s:.0f}s")
+            await asyncio.sleep(0.5)
+
+    async def load_newest(self) -> bool:
+        """Load the newest STABLE snapshot if it is newer than what the server holds. True when one was loaded."""
+        newest = weights.latest_stable(self.run_dir)
+        if newest is None or newest[0] <= self.version:
+            return False
+        if self.admin_token is None:
+            raise RuntimeError("new weights appeared but no admin token is set (PRIMERL_ADMIN_TOKEN)")
+        step, path = newest
+        started = time.perf_counter()
+        response = await self.http.post(
+            "/admin/update_weights",
+            json={"path": str(path), "step": step},
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=None,
+        )
+        if response.status_code == 400:  # pruned or replaced between listing and loading: look again next poll
+            log.warning("weights step %d not loadable yet: %s", step, response.text)
+            return False
+        response.raise_for_status()
+        self.version = int(response.json()["policy_version"])
+        self.last_update_s = time.perf_counter() - started
+        log.info("inference now serves policy version %d (loaded in %.2fs)", self.version, self.last_update_s)
+        self.changed.set()
+        return True
+
+    async def watch(self) -> None:
+        while True:
+            await self.load_newest()
+            await asyncio.sleep(self.poll_s)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Groups and batches
+
+
+@dataclass
+class Group:
+    """The scored rollouts of one task. `samples` are the bridge's samples (one or more per rollout); rewards and
+    advantages are per rollout (trace)."""
+
+    task_id: str | None
+    samples: list[Any]
+    rewards: list[float]
+    advantages: dict[str, float]
+    seconds: float
+
+    @property
+    def failed(self) -> bool:
+        return all(s.error is not None for s in self.samples)
+
+
+def score_group(task_id: str | None, samples: Sequence[Any], advantage_fn, seconds: float) -> Group:
+    """Advantages per rollout: the bridge may cut one rollout (trace) into several samples; they share its reward."""
+    by_trace: dict[str, float] = {}
+    for s in samples:
+        by_trace.setdefault(s.trace_id, float(s.reward))
+    rewards = list(by_trace.values())
+    advantages = dict(zip(by_trace, advantage_fn(rewards)))
+    return Group(task_id, list(samples), rewards, advantages, seconds)
+
+
+def trainable(sample: Any) -> bool:
+    return bool(sample.input_ids) and any(sample.loss_mask)
+
+
+def to_batch_sample(sample: Any, advantage: float) -> batches.Sample:
+    return batches.Sample(
+        input_ids=list(sample.input_ids),
+        loss_mask=list(sample.loss_mask),
+        inference_logprobs=list(sample.inference_logprobs),
+        advantages=advantage,
+        policy_versions=tuple(sample.policy_versions),
+        env=sample.env,
+    )
+
+
+@dataclass
+class StepStats:
+    """What happened while one step was the next to write: groups that finished but were not used (zero advantage,
+    failed), samples dropped as too old, time spent waiting for the policy."""
+
+    started: float = field(default_factory=time.monotonic)
+    unused_groups: list[Group] = field(default_factory=list)
+    groups_dropped_zero_advantage: int = 0
+    samples_dropped_off_policy: int = 0
+    wait_for_policy_s: float = 0.0
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The loop
+
+
+class Orchestrator:
+    def __init__(self, cfg: OrchestratorConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.bound = PolicyBound(cfg.max_async_steps, cfg.off_policy_limit)
+        self.advantage_fn = load_advantage_fn(cfg.advantage.path, cfg.advantage.kwargs)
+        self.max_extra_groups = (
+            cfg.batch.tasks_per_step if cfg.advantage.max_extra_groups is None else cfg.advantage.max_extra_groups
+        )
+        self.progress = resume_progress(self.run_dir) if cfg.resume else Progress()
+        self.metrics = MetricsLogger(self.run_dir, "orchestrator")
+        self.model_name = cfg.served_model_name or cfg.model.name
+        self.pending: set[asyncio.Task] = set()
+        self.ready: deque[Group] = deque()
+        self.stats = StepStats()
+        self.extra_groups_used = 0
+        self.failed_in_a_row = 0
+        # throughput of this process's life (a resumed run starts counting again)
+        self.generation_started = time.monotonic()
+        self.rollouts_this_run = 0
+        self.sampled_tokens_this_run = 0
+
+    async def run(self) -> None:
+        cfg = self.cfg
+        if self.progress.next_step:
+            log.info("resuming at step %d (%d tasks drawn so far)", self.progress.next_step, self.progress.tasks_drawn)
+        renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
+        self.client = bridge.train_client(cfg.client.base_url, renderer_model=renderer_model)
+        warm_client = vf.resolve_client(self.client)  # schedules loading the tokenizer (slow) on a thread...
+        await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
+        env = bridge.load_env(cfg.env.id, **cfg.env.args)
+        self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn)
+        self.sampling = vf.SamplingConfig(
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
+        )
+        self.env = env
+        log.info(
+            "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
+            "off-policy limit %d, advantage %s",
+            cfg.env.id, len(self.tasks) or "unbounded", cfg.batch.tasks_per_step, cfg.batch.group_size,
+            cfg.batch.seq_len, cfg.batch.num_ranks, cfg.max_async_steps, cfg.off_policy_limit, cfg.advantage.path,
+        )
+        token = cfg.admin_token.get_secret_value() if cfg.admin_token is not None else None
+        timeout = httpx.Timeout(cfg.client.request_timeout_s, connect=10.0)
+        async with httpx.AsyncClient(base_url=cfg.client.base_url, timeout=timeout) as http:
+            self.policy = PolicyTracker(http, self.run_dir, token, cfg.weights_poll_s)
+            try:
+                await self.policy.wait_until_serving(cfg.client.startup_timeout_s)
+            finally:
+                await warm_client.close()
+            await self.policy.load_newest()
+            log.info("inference serves policy version %d", self.policy.version)
+            watcher = asyncio.create_task(self.policy.watch(), name="weights-watcher")
+            self.generation_started = time.monotonic()
+            self.stats = StepStats()
+            try:
+                async with env.serving():
+                    await self._steps(watcher)
+            finally:
+                watcher.cancel()
+                for task in self.pending:
+                    task.cancel()
+                await asyncio.gather(watcher, *self.pending, return_exceptions=True)
+
+    async def _steps(self, watcher: asyncio.Task) -> None:
+        max_steps = self.cfg.max_steps
+        while max_steps is None or self.progress.next_step < max_steps:
+            self._launch()
+            if self._take_fresh_groups() is not None:
+                continue
+            self.policy.changed.clear()
+            changed = asyncio.create_task(self.policy.changed.wait())
+            idle = not self.pending
+            waited = time.monotonic()
+            done, _ = await asyncio.wait({*self.pending, changed, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+            if idle:
+                self.stats.wait_for_policy_s += time.monotonic() - waited
+            if watcher in done:
+                watcher.result()  # re-raises what stopped it
+                raise RuntimeError("the weights watcher stopped")
+            for task in done & self.pending:
+                self.pending.discard(task)
+                self._collect(task.result())
+
+    def _launch(self) -> None:
+        cfg = self.cfg.batch
+        budget = self.bound.launch_budget(
+            self.policy.version, self.progress.next_step, cfg.tasks_per_step, len(self.pending), len(self.ready),
+            cfg.max_concurrent_groups,
+        )
+        if self.max_steps_left is not None:  # never start groups for steps the run will not have
+            budget = min(budget, max(0, self.max_steps_left * cfg.tasks_per_step - len(self.pending) - len(self.ready)))
+        for _ in range(budget):
+            task = self.tasks.next()
+            self.pending.add(asyncio.create_task(self._run_group(task)))
+
+    @property
+    def max_steps_left(self) -> int | None:
+        return None if self.cfg.max_steps is None else self.cfg.max_steps - self.progress.next_step
+
+    async def _run_group(self, task: Any) -> Group:
+        started = time.monotonic()
+        samples = await bridge.run_group(
+            self.env, task, self.cfg.batch.group_size, model=self.model_name, client=self.client,
+            sampling=self.sampling, server_url=self.cfg.client.base_url,
+        )
+        return score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
+
+    def _collect(self, group: Group) -> None:
+        self.progress.rollouts += len(group.rewards)
+        self.rollouts_this_run += len(group.rewards)
+        if group.failed:
+            self.stats.unused_groups.append(group)
+            self.failed_in_a_row += 1
+            error = next((s.error for s in group.samples if s.error), "unknown error")
+            log.warning("every rollout of task %s failed: %s", group.task_id, error)
+            if self.failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
+                raise RuntimeError(f"{self.failed_in_a_row} groups in a row failed entirely; last error: {error}")
+            return
+        self.failed_in_a_row = 0
+        zero = is_zero_advantage(list(group.advantages.values()))
+        if zero and self.cfg.advantage.drop_zero_advantage and self.extra_groups_used < self.max_extra_groups:
+            self.extra_groups_used += 1
+            self.stats.unused_groups.append(group)
+            self.stats.groups_dropped_zero_advantage += 1
+            self.progress.groups_dropped_zero_advantage += 1
+            return
+        self.ready.append(group)
+
+    def _take_fresh_groups(self) -> int | None:
+        """Drop stale samples from the waiting groups; when enough groups remain, write the next step's batch and
+        return its step number."""
+        step = self.progress.next_step
+        for group in list(self.ready):
+            fresh = [s for s in group.samples if self.bound.is_fresh(step, s.policy_versions[0])]
+            stale = len(group.samples) - len(fresh)
+            if stale:
+                self.stats.samples_dropped_off_policy += stale
+                self.progress.samples_dropped_off_policy += stale
+                group.samples = fresh
+                if not fresh:
+                    self.ready.remove(group)
+        if len(self.ready) < self.cfg.batch.tasks_per_step:
+            return None
+        groups = [self.ready.popleft() for _ in range(self.cfg.batch.tasks_per_step)]
+        self._write(step, groups)
+        return step
+
+    def _write(self, step: int, groups: list[Group]) -> None:
+        cfg = self.cfg
+        samples = [
+            to_batch_sample(s, g.advantages[s.trace_id]) for g in groups for s in g.samples if trainable(s)
+        ]
+        if not samples:
+            raise RuntimeError(f"step {step}: no rollout produced a trainable sample (see the errors above)")
+        write_started = time.monotonic()
+        path = batches.write_batch(
+            self.run_dir, step, samples, seq_len=cfg.batch.seq_len, num_ranks=cfg.batch.num_ranks,
+            temperature=cfg.sampling.temperature, extra={"tasks": [g.task_id for g in groups]},
+        )
+        meta = json.loads((path / batches.META_FILE).read_text())
+        write_s = time.monotonic() - write_started
+        self.progress.next_step = step + 1
+        self.progress.tasks_drawn = self.tasks.drawn
+        if self.progress.next_step % cfg.ckpt.interval == 0 or self.progress.next_step == cfg.max_steps:
+            save_progress(self.run_dir, self.progress, cfg.ckpt.keep_last)
+        record = self._step_metrics(step, groups, samples, meta, write_s)
+        self.metrics.log(step, record)
+        log.info(
+            "step %d: reward %.4f (batch %.4f), %d samples, lag %s, %.1fs",
+            step, record["reward_mean"], record["batch_reward_mean"], len(samples),
+            record["policy_lag_max"], record["step_s"],
+        )
+        self.stats = StepStats()
+        self.extra_groups_used = 0
+
+    def _step_metrics(self, step: int, groups: list[Group], samples: list[batches.Sample], meta: dict,
+                      write_s: float) -> dict[str, Any]:
+        """Rewards, lengths, truncation and errors are over every rollout of the batch plus the rollouts dropped
+        while this step was being filled (so dropping groups of perfect scores does not hide progress)."""
+        stats = self.stats
+        step_s = time.monotonic() - stats.started
+        seen = groups + stats.unused_groups
+        rewards = [r for g in seen for r in g.rewards]
+        rollouts = [s for g in seen for s in g.samples]
+        completion_lens = [s.completion_len for s in rollouts]
+        lags = [step - s.policy_versions[0] for s in samples]
+        self.sampled_tokens_this_run += sum(sum(s.loss_mask) for s in samples)
+        elapsed = time.monotonic() - self.generation_started
+        return {
+            "reward_mean": _mean(rewards),
+            "reward_std": statistics.pstdev(rewards) if rewards else None,
+            "reward_min": min(rewards, default=None),
+            "reward_max": max(rewards, default=None),
+            "batch_reward_mean": _mean([r for g in groups for r in g.rewards]),
+            "samples": len(samples),
+            "completion_len_mean": _mean(completion_lens),
+            "completion_len_max": max(completion_lens, default=None),
+            "seq_len_mean": _mean([len(s.input_ids) for s in samples]),
+            "truncated_frac": _mean([float(s.is_truncated) for s in rollouts]),
+            "packing_truncated": meta["num_truncated"],
+            "errors": sum(s.error is not None for s in rollouts),
+            "groups_dropped_zero_advantage": stats.groups_dropped_zero_advantage,
+            "samples_dropped_off_policy": stats.samples_dropped_off_policy,
+            "policy_version": self.policy.version,
+            "policy_lag_mean": _mean(lags),
+            "policy_lag_max": max(lags, default=None),
+            "oldest_policy_version": min((s.policy_versions[0] for s in samples), default=None),
+            "step_s": step_s,
+            "wait_for_policy_s": stats.wait_for_policy_s,
+            "write_s": write_s,
+            "weight_update_s": self.policy.last_update_s,
+            "rollouts_per_s": self.rollouts_this_run / elapsed if elapsed > 0 else None,
+            "tokens_per_s": self.sampled_tokens_this_run / elapsed if elapsed > 0 else None,
+            "rows": meta["rows_per_rank"] * meta["num_ranks"],
+            "loss_tokens": meta["num_loss_tokens"],
+            "rollouts_total": self.progress.rollouts,
+        }
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = config_from_argv(OrchestratorConfig, argv, prog="primerl orchestrator")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("httpx", "httpcore", "aiohttp.access", "verifiers.v1.rollout"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    try:
+        asyncio.run(Orchestrator(cfg).run())
+    except KeyboardInterrupt:
+        log.info("interrupted")
+        return 130
+    except Exception:
+        log.exception("orchestrator failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,196 @@
+"""`primerl run recipe.toml` (and `rl recipe.toml`): pins, then the checklist, then the stages.
+
+1. Load the recipe; refuse one that needs a capability this build lacks (exit 2). Resolve every stage's config.
+2. Verify every pin against this machine. Drift stops the run before anything is written (exit 3), printing pinned
+   vs found for each drifted pin — unless `--allow-drift`, which proceeds and records the drift in the manifest.
+3. Run the validation checklist (`primerl check`), unless `--no-check`; a failed step stops the run (exit 1).
+4. Write `<run>/manifest.json` and each stage's resolved config (`<run>/config/recipe.<stage>.toml`), then run the
+   stages in order, each as its own `primerl <stage>` process; the manifest records each stage's outcome.
+
+Stage options can be overridden on the command line as `--<stage>.<key>=value` (e.g. `--rl.max_steps=5`); overrides
+are recorded in the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pydantic
+
+from primerl.config import ConfigError, to_toml
+from primerl.config.loader import parse_args
+from primerl.recipes.manifest import MANIFEST_FILE, build_manifest, now, write_manifest
+from primerl.recipes.pins import PinReport, find_lock_file, format_checks, stderr_progress, verify_pins
+from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, validate_stage
+
+DRIFT_EXIT_CODE = 3
+CHECK_FAILED_EXIT_CODE = 1
+INTERRUPTED_EXIT_CODE = 130
+
+
+class DriftError(RecipeError):
+    """Pins differ from what this machine has; the message lists pinned vs found."""
+
+    exit_code = DRIFT_EXIT_CODE
+
+
+@dataclass
+class RunPlan:
+    """A recipe about to run: its resolved stage configs and the verified pins."""
+
+    recipe: Recipe
+    run_dir: Path
+    configs: dict[str, pydantic.BaseModel]
+    overrides: dict[str, Any]
+    pins: PinReport
+    allow_drift: bool
+
+    def config_file(self, stage: str) -> Path:
+        return self.run_dir / "config" / f"recipe.{stage}.toml"
+
+
+def plan_run(recipe: Recipe, run_dir: Path, overrides: Mapping[str, Any] | None = None, smoke: bool = False,
+             allow_drift: bool = False, progress=stderr_progress) -> RunPlan:
+    """Resolve the stage configs and verify the pins; raises `RecipeError` (bad config) or `DriftError`. Writes
+    nothing."""
+    recipe.require_supported()
+    run_dir = run_dir.resolve()
+    overrides = dict(overrides or {})
+    configs = {
+        stage: validate_stage(recipe, stage, run_dir=run_dir, smoke=smoke, overrides=overrides.get(stage))
+        for stage in recipe.info.stages
+    }
+    pins = verify_pins(recipe, progress=progress)
+    if pins.drifted and not allow_drift:
+        lines = "\n".join(f"  {c.line()}" for c in pins.drifted)
+        raise DriftError(
+            f"recipe '{recipe.name}': {len(pins.drifted)} pin(s) differ from this machine; nothing was written:\n"
+            f"{lines}\n(fix the machine, update the pins with `primerl recipe lock {recipe.path}`, or pass "
+            "--allow-drift to run anyway and record the drift)"
+        )
+    return RunPlan(recipe, run_dir, configs, overrides, pins, allow_drift)
+
+
+def start_run(plan: RunPlan, checklist: Mapping[str, str] | None) -> dict[str, Any]:
+    """Write the manifest and the resolved stage configs into the run directory; returns the manifest."""
+    plan.run_dir.mkdir(parents=True, exist_ok=True)
+    for stage, cfg in plan.configs.items():
+        path = plan.config_file(stage)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(to_toml(cfg))
+    manifest = build_manifest(
+        plan.recipe,
+        plan.run_dir,
+        plan.pins.as_list(),
+        plan.allow_drift,
+        find_lock_file(plan.recipe.path),
+        {stage: cfg.model_dump(mode="json") for stage, cfg in plan.configs.items()},
+        plan.overrides,
+        checklist,
+    )
+    write_manifest(plan.run_dir, manifest)
+    return manifest
+
+
+def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
+    """Run each stage as `primerl <command> @ <its config>`; stop at the first that fails. Returns its exit code."""
+    from primerl.launch.processes import primerl_command
+
+    for stage in plan.recipe.info.stages:
+        record = manifest["stages"][stage]
+        record.update(status="running", started_at=now())
+        write_manifest(plan.run_dir, manifest)
+        command = primerl_command(STAGE_KINDS[stage].command, "@", str(plan.config_file(stage)))
+        print(f"primerl: stage {stage}: {' '.join(command[2:])}", file=sys.stderr, flush=True)
+        try:
+            code = subprocess.run(command, check=False).returncode
+        except KeyboardInterrupt:
+            code = INTERRUPTED_EXIT_CODE
+        status = {0: "completed", INTERRUPTED_EXIT_CODE: "interrupted"}.get(code, "failed")
+        record.update(status=status, exit_code=code, finished_at=now())
+        manifest["updated_at"] = now()
+        write_manifest(plan.run_dir, manifest)
+        if code != 0:
+            print(f"primerl: stage {stage} {status} (exit code {code}); see {plan.run_dir}", file=sys.stderr)
+            return code
+    print(f"primerl: recipe {plan.recipe.name} finished; manifest: {plan.run_dir / MANIFEST_FILE}", file=sys.stderr)
+    return 0
+
+
+def stage_overrides(recipe: Recipe, argv: list[str]) -> dict[str, Any]:
+    """`--rl.max_steps=5 --sft.optim.lr 1e-5` -> {"rl": {"max_steps": "5"}, "sft": {"optim": {"lr": "1e-5"}}}."""
+    parsed = parse_args(argv)
+    if parsed.files or parsed.dry_run:
+        raise RecipeError("a recipe run takes one recipe file; stage options look like --<stage>.<key>=value")
+    out: dict[str, Any] = {}
+    for dotted, value in parsed.overrides:
+        stage, _, key = dotted.partition(".")
+        if stage not in recipe.stages or not key:
+            raise RecipeError(f"--{dotted}: overrides name a stage of the recipe ({', '.join(recipe.stages)}) then a key")
+        node = out.setdefault(stage, {})
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Run a recipe: verify its pins, run the checklist, then its stages. Stage options: "
+        "--<stage>.<key>=value.",
+    )
+    parser.add_argument("recipe", help="the recipe file")
+    parser.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
+    parser.add_argument("--allow-drift", action="store_true", help="run even if pins differ; record the drift")
+    parser.add_argument("--no-check", action="store_true", help="do not run the validation checklist first")
+    parser.add_argument("--smoke", action="store_true", help="run each stage's smoke variant (a few steps)")
+    return parser
+
+
+def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = [a for a in argv if a != "@"]
+    argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
+    args, rest = _parser(prog).parse_known_args(argv)
+    from primerl.checklist import STEPS, run_checklist, write_report
+
+    try:
+        recipe = load_recipe(args.recipe)
+        overrides = stage_overrides(recipe, rest)
+        run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
+        if (run_dir / MANIFEST_FILE).exists() and not _resumes(overrides):
+            raise RecipeError(f"{run_dir} already holds a run; pass --run-dir for a new one (or --rl.resume=true)")
+        plan = plan_run(recipe, run_dir, overrides, smoke=args.smoke, allow_drift=args.allow_drift)
+    except (RecipeError, ConfigError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return getattr(e, "exit_code", 2)
+    print(f"primerl: pins of {recipe.name}:\n{format_checks(plan.pins.checks)}", file=sys.stderr)
+    if plan.pins.drifted:
+        print(f"primerl: running with {len(plan.pins.drifted)} drifted pin(s) (--allow-drift); the manifest records "
+              "them", file=sys.stderr)
+
+    statuses = None
+    if not args.no_check:
+        report = run_checklist(recipe, plan.run_dir, STEPS, log_dir=plan.run_dir / "logs" / "checklist")
+        print("\n" + report.table(), flush=True)
+        write_report(report, plan.run_dir / "checklist.json")
+        if report.failed:
+            names = ", ".join(s.name for s in report.failed)
+            print(f"{prog}: checklist failed ({names}); nothing was trained. Report: {plan.run_dir / 'checklist.json'}"
+                  " (--no-check skips the checklist)", file=sys.stderr)
+            return CHECK_FAILED_EXIT_CODE
+        statuses = report.statuses()
+    manifest = start_run(plan, statuses)
+    return run_stages(plan, manifest)
+
+
+def _resumes(overrides: Mapping[str, Any]) -> bool:
+    return str(overrides.get("rl", {}).get("resume", "")).lower() in ("1", "true", "yes")

@@ -1,0 +1,414 @@
+"""The recipe file: `[recipe]` (what and on which hardware), `[pins]` (what exactly), then one table per stage.
+
+A recipe is a TOML file with a top-level `[recipe]` table — that table is what tells a recipe from a plain config.
+
+    [recipe]            name, description, stages = ["sft", "rl"], requires = [capabilities]
+    [recipe.hardware]   gpus_per_node, gpu_memory_gb, nodes, cpu_allowed, min_memory_gb, min_disk_gb
+    [pins]              python, lock_sha256
+    [pins.packages]     distribution = "version"
+    [pins.model]        source, revision   and  [pins.model.files]  "relative/path" = "sha256"
+    [pins.environment]  package, version   and  [pins.data]  "package/path" or "./path" = "sha256"
+    [pins.images]       amd64 / arm64 = "sha256:<digest>"
+    [sft] / [rl]        the stage's config: the schema of `primerl sft` / `primerl rl`; `include = [...]` pulls in
+                        config files (paths relative to the recipe); strings may use `${recipe_dir}` and
+                        `${run_dir}` (the run's directory, e.g. to start RL from the SFT stage's weights)
+    [smoke.sft] / [smoke.rl]   overrides that turn a stage into its few-step smoke variant (used by the checklist)
+
+A pin whose value is `"unpinned"` is known to be missing: verification reports it as unpinned, never as verified.
+Loading validates everything, including each stage's config against its process's schema, and raises `RecipeError`
+with one line per problem. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field, field_validator, model_validator
+
+from primerl.config.base import Section
+from primerl.config.loader import ConfigError, Layers, read_toml
+
+UNPINNED = "unpinned"
+RUN_DIR_VAR = "${run_dir}"  # in stage configs: the recipe run's directory
+RECIPE_DIR_VAR = "${recipe_dir}"  # in stage configs: the directory holding the recipe file
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_IMAGE_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+
+
+class RecipeError(Exception):
+    """A recipe that cannot be loaded or run as written. The message names the file and the problem."""
+
+    exit_code = 2
+
+
+class UnsupportedCapabilityError(RecipeError):
+    """The recipe needs capabilities this build of primerl does not have."""
+
+
+# Capabilities a recipe may declare in `requires`, and whether this build of primerl has them.
+CAPABILITIES: dict[str, tuple[bool, str]] = {
+    "fsdp": (True, "FSDP2 data-parallel training over several GPUs"),
+    "lora": (True, "LoRA adapter training (merged for inference)"),
+    "multi-turn": (True, "multi-turn environments"),
+    "tools": (True, "tool-calling environments"),
+    "tensor-parallel-inference": (True, "vLLM tensor-parallel inference"),
+    "multi-node": (False, "training and inference spread over several nodes"),
+    "expert-parallel": (False, "expert parallelism for mixture-of-experts models"),
+    "context-parallel": (False, "context parallelism for sequences longer than one GPU holds"),
+    "pd-disaggregation": (False, "prefill/decode-disaggregated inference"),
+    "fp8": (False, "FP8 training and inference"),
+    "code-sandbox": (False, "sandboxed code execution for software-engineering environments"),
+}
+
+
+@dataclass(frozen=True)
+class StageKind:
+    """How the recipe runner drives one kind of stage: its config model, its command, where its outputs go."""
+
+    name: str
+    config_model: str  # "module:Class" of the stage's config
+    command: str  # the `primerl <command>` that runs a resolved config file
+    run_dir_key: str  # top-level config key the runner sets to the stage's directory
+    subdir: str  # the stage's directory relative to the recipe's run directory ("" = the run directory itself)
+
+    def load_model(self) -> type[pydantic.BaseModel]:
+        import importlib
+
+        module_name, _, attr = self.config_model.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            raise RecipeError(f"stage '{self.name}' needs {self.config_model}, which this build does not have") from None
+
+
+STAGE_KINDS: dict[str, StageKind] = {
+    "sft": StageKind("sft", "primerl.config.sft:SFTConfig", "sft", "run_dir", "sft"),
+    "rl": StageKind("rl", "primerl.config.rl:RLConfig", "rl", "output_dir", ""),
+}
+
+
+def _check_sha256(value: str, what: str) -> str:
+    if value != UNPINNED and not _SHA256.fullmatch(value):
+        raise ValueError(f"{what} must be 64 lowercase hex digits or {UNPINNED!r}, got {value!r}")
+    return value
+
+
+class Hardware(Section):
+    """What the machine must have. `gpus_per_node = 0` means the recipe runs on CPU."""
+
+    gpus_per_node: int = Field(0, ge=0, description="GPUs each node needs (0: a CPU recipe)")
+    gpu_memory_gb: float = Field(0, ge=0, description="memory each of those GPUs needs, GiB")
+    nodes: int = Field(1, ge=1, description="nodes the run spans")
+    cpu_allowed: bool = Field(False, description="the recipe also runs (slowly) on a machine without GPUs")
+    min_memory_gb: float = Field(0, ge=0, description="host memory the run needs, GiB")
+    min_disk_gb: float = Field(1, ge=0, description="free disk the run directory needs, GiB")
+
+    @model_validator(mode="after")
+    def _cpu_recipe_runs_on_cpu(self) -> Hardware:
+        if self.gpus_per_node == 0 and not self.cpu_allowed:
+            raise ValueError("a recipe with gpus_per_node = 0 runs on CPU: set cpu_allowed = true")
+        return self
+
+    @property
+    def needs_gpu(self) -> bool:
+        return self.gpus_per_node > 0 and not self.cpu_allowed
+
+
+class RecipeInfo(Section):
+    name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9.-]*$", description="short name; the default run directory")
+    description: str = Field(..., min_length=1, description="one paragraph: what the recipe teaches")
+    stages: list[Literal["sft", "rl"]] = Field(..., min_length=1, description="stages, run in this order")
+    requires: list[str] = Field(default_factory=list, description="capabilities the recipe needs (see CAPABILITIES)")
+    hardware: Hardware = Field(default_factory=Hardware, description="hardware the recipe needs")
+
+    @field_validator("stages")
+    @classmethod
+    def _unique(cls, stages: list[str]) -> list[str]:
+        if len(set(stages)) != len(stages):
+            raise ValueError(f"stages must not repeat, got {stages}")
+        return stages
+
+    @field_validator("requires")
+    @classmethod
+    def _known(cls, requires: list[str]) -> list[str]:
+        unknown = [c for c in requires if c not in CAPABILITIES]
+        if unknown:
+            raise ValueError(f"unknown capabilities {unknown}; known: {', '.join(CAPABILITIES)}")
+        return requires
+
+    @model_validator(mode="after")
+    def _multi_node_declared(self) -> RecipeInfo:
+        if self.hardware.nodes > 1 and "multi-node" not in self.requires:
+            raise ValueError(f"hardware.nodes = {self.hardware.nodes} needs 'multi-node' in requires")
+        return self
+
+    @property
+    def missing_capabilities(self) -> list[str]:
+        return [c for c in self.requires if not CAPABILITIES[c][0]]
+
+
+class ModelPin(Section):
+    """The base model: a registry name (`tiny`, `smollm2-135m-instruct`) or a hub id at a commit."""
+
+    source: str = Field(..., description="registry name or hub id, as `model.name` in the stage configs")
+    revision: str | None = Field(None, description="hub commit (40 hex digits) or 'unpinned'; none for registry names")
+    files: dict[str, str] = Field(default_factory=dict, description="weight file (relative path) -> sha256")
+
+    @field_validator("revision")
+    @classmethod
+    def _commit(cls, value: str | None) -> str | None:
+        if value is not None and value != UNPINNED and not _COMMIT.fullmatch(value):
+            raise ValueError(f"must be a 40-hex-digit commit or {UNPINNED!r}, got {value!r}")
+        return value
+
+    @field_validator("files")
+    @classmethod
+    def _hashes(cls, files: dict[str, str]) -> dict[str, str]:
+        return {name: _check_sha256(sha, f"files[{name!r}]") for name, sha in files.items()}
+
+    @model_validator(mode="after")
+    def _hub_needs_revision(self) -> ModelPin:
+        if is_hub_id(self.source) and self.revision is None:
+            raise ValueError(f"hub model {self.source} needs a revision (a commit, or {UNPINNED!r})")
+        return self
+
+
+class EnvironmentPin(Section):
+    package: str = Field(..., description="distribution name of the environment package, e.g. reverse-text")
+    version: str = Field(..., description="its installed version")
+
+
+class Pins(Section):
+    python: str = Field(..., pattern=r"^\d+\.\d+(\.\d+)?$", description="Python version: 3.11 or 3.11.9")
+    lock_sha256: str = Field(..., description="sha256 of uv.lock")
+    packages: dict[str, str] = Field(default_factory=dict, description="distribution -> version")
+    model: ModelPin = Field(..., description="the base model")
+    environment: EnvironmentPin | None = Field(None, description="the environment package")
+    data: dict[str, str] = Field(
+        default_factory=dict,
+        description="data file -> sha256: 'package/path' inside an importable package, or './path' next to the recipe",
+    )
+    images: dict[Literal["amd64", "arm64"], str] = Field(
+        default_factory=dict, description="container image digest per architecture"
+    )
+
+    @field_validator("lock_sha256")
+    @classmethod
+    def _lock(cls, value: str) -> str:
+        return _check_sha256(value, "lock_sha256")
+
+    @field_validator("data")
+    @classmethod
+    def _data(cls, data: dict[str, str]) -> dict[str, str]:
+        for name in data:
+            if "/" not in name or name.startswith("/") or ".." in name.split("/"):
+                raise ValueError(f"data key {name!r} must be 'package/relative/path' or './path/next/to/the/recipe'")
+        return {name: _check_sha256(sha, f"data[{name!r}]") for name, sha in data.items()}
+
+    @field_validator("images")
+    @classmethod
+    def _digests(cls, images: dict[str, str]) -> dict[str, str]:
+        for arch, digest in images.items():
+            if digest != UNPINNED and not _IMAGE_DIGEST.fullmatch(digest):
+                raise ValueError(f"images.{arch} must be 'sha256:<64 hex digits>' or {UNPINNED!r}, got {digest!r}")
+        return images
+
+
+class RecipeFile(Section):
+    """The typed part of a recipe file; stage tables are validated against their own process's config."""
+
+    recipe: RecipeInfo
+    pins: Pins
+    sft: dict[str, Any] | None = None
+    rl: dict[str, Any] | None = None
+    smoke: dict[Literal["sft", "rl"], dict[str, Any]] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A loaded, validated recipe. `stages[name]` is the stage's raw config (includes merged, no run dir set)."""
+
+    path: Path
+    info: RecipeInfo
+    pins: Pins
+    stages: dict[str, dict[str, Any]]
+    smoke: dict[str, dict[str, Any]]
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    def require_supported(self) -> None:
+        """Raise `UnsupportedCapabilityError` naming every capability the recipe needs and this build lacks."""
+        missing = self.info.missing_capabilities
+        if missing:
+            needs = "; ".join(f"{c} ({CAPABILITIES[c][1]})" for c in missing)
+            raise UnsupportedCapabilityError(
+                f"recipe '{self.name}' needs capabilities this version of primerl lacks: {needs}; nothing was run"
+            )
+
+
+def is_hub_id(name: str) -> bool:
+    return name.count("/") == 1 and not name.startswith((".", "/", "~"))
+
+
+def is_recipe(path: str | Path) -> bool:
+    """True when `path` is a TOML file with a top-level `[recipe]` table (a plain config never has one)."""
+    p = Path(path)
+    if p.suffix != ".toml" or not p.is_file():
+        return False
+    try:
+        return isinstance(tomllib.loads(p.read_text()).get("recipe"), dict)
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError, OSError):
+        return False
+
+
+def recipe_in_argv(argv: list[str]) -> str | None:
+    """The recipe file named by the first config file in `argv` (`x.toml`, `@ x.toml`, `@x.toml`), or None."""
+    for i, arg in enumerate(argv):
+        path = argv[i + 1] if arg == "@" and i + 1 < len(argv) else arg.removeprefix("@")
+        if path.endswith(".toml"):
+            return path if is_recipe(path) else None
+    return None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Read and validate a recipe, stage configs included. Raises `RecipeError` with one line per problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe not found: {path}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise RecipeError(f"{path}: invalid TOML: {e}") from None
+    if not isinstance(raw.get("recipe"), dict):
+        raise RecipeError(f"{path}: not a recipe (no [recipe] table)")
+    try:
+        parsed = RecipeFile.model_validate(raw)
+    except pydantic.ValidationError as e:
+        raise RecipeError(f"{path}: {_describe(e)}") from None
+    stages: dict[str, dict[str, Any]] = {}
+    for name in parsed.recipe.stages:
+        table = getattr(parsed, name)
+        if table is None:
+            raise RecipeError(f"{path}: stage '{name}' is listed in recipe.stages but has no [{name}] table")
+        stages[name] = _with_includes(table, path, name)
+    for name in ("sft", "rl"):
+        if getattr(parsed, name) is not None and name not in stages:
+            raise RecipeError(f"{path}: [{name}] is given but '{name}' is not in recipe.stages")
+    for name in parsed.smoke:
+        if name not in stages:
+            raise RecipeError(f"{path}: [smoke.{name}] names a stage the recipe does not have")
+    recipe = Recipe(path=path.resolve(), info=parsed.recipe, pins=parsed.pins, stages=stages, smoke=parsed.smoke)
+    for name in stages:
+        validate_stage(recipe, name, smoke=False)
+        if name in recipe.smoke:
+            validate_stage(recipe, name, smoke=True)
+    return recipe
+
+
+def _with_includes(table: dict[str, Any], recipe_path: Path, stage: str) -> dict[str, Any]:
+    table = dict(table)
+    includes = table.pop("include", [])
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        raise RecipeError(f"{recipe_path}: [{stage}] include must be a path or a list of paths")
+    layers = Layers()
+    try:
+        for inc in includes:
+            layers.merge(read_toml(recipe_path.parent / inc), inc)
+    except ConfigError as e:
+        raise RecipeError(f"{recipe_path}: [{stage}] {e}") from None
+    layers.merge(table, str(recipe_path))
+    return layers.values
+
+
+def stage_values(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
+                 overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The raw config of one stage: its table, then its smoke overrides (when `smoke`), then `overrides`; with the
+    pinned model revision filled in, `${recipe_dir}` expanded and, when `run_dir` is given, `${run_dir}` expanded and
+    the stage's directory set."""
+    kind = STAGE_KINDS[stage]
+    layers = Layers()
+    layers.merge(recipe.stages[stage], "recipe")
+    if smoke and stage in recipe.smoke:
+        layers.merge(recipe.smoke[stage], "smoke")
+    if overrides:
+        layers.merge(overrides, "overrides")
+    values = _pin_model_revision(layers.values, recipe.pins.model, recipe.path, stage)
+    values = expand(values, RECIPE_DIR_VAR, str(recipe.path.parent))
+    if run_dir is not None:
+        values = expand(values, RUN_DIR_VAR, str(run_dir))
+        values[kind.run_dir_key] = str(run_dir / kind.subdir) if kind.subdir else str(run_dir)
+    return values
+
+
+def validate_stage(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
+                   overrides: Mapping[str, Any] | None = None) -> pydantic.BaseModel:
+    """The stage's resolved config object (its process's config model). Raises `RecipeError` naming the key."""
+    from primerl.config.loader import load
+
+    model = STAGE_KINDS[stage].load_model()
+    values = stage_values(recipe, stage, run_dir, smoke, overrides)
+    if run_dir is None:  # validate without a run directory: `${run_dir}` stays a placeholder path
+        values = expand(values, RUN_DIR_VAR, "run")
+    try:
+        cfg, _ = load(model, [], base=values)
+    except ConfigError as e:
+        where = f"[smoke.{stage}]" if smoke else f"[{stage}]"
+        raise RecipeError(f"{recipe.path}: {where} {e}") from None
+    return cfg
+
+
+def _pin_model_revision(values: dict[str, Any], pin: ModelPin, path: Path, stage: str) -> dict[str, Any]:
+    """Every `model = {name = <pinned source>}` table in the stage gets the pinned revision; a different revision
+    there is an error (the pin is the one place a revision is written)."""
+
+    def visit(node: Any, dotted: tuple[str, ...]) -> Any:
+        if not isinstance(node, dict):
+            return node
+        out = {k: visit(v, (*dotted, k)) for k, v in node.items()}
+        if dotted[-1:] == ("model",) and out.get("name") == pin.source and pin.revision not in (None, UNPINNED):
+            given = out.get("revision")
+            if given not in (None, pin.revision):
+                key = ".".join((*dotted, "revision"))
+                raise RecipeError(
+                    f"{path}: [{stage}] {key} = {given!r} differs from pins.model.revision {pin.revision!r}"
+                )
+            out["revision"] = pin.revision
+        return out
+
+    return visit(values, ())
+
+
+def expand(node: Any, variable: str, value: str) -> Any:
+    """Replace `variable` (`${run_dir}`, `${recipe_dir}`) by `value` in every string of a config tree."""
+    if isinstance(node, dict):
+        return {k: expand(v, variable, value) for k, v in node.items()}
+    if isinstance(node, list):
+        return [expand(v, variable, value) for v in node]
+    if isinstance(node, str):
+        return node.replace(variable, value)
+    return node
+
+
+def _describe(e: pydantic.ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            lines.append(f"unknown key '{key}'")
+        elif err["type"] == "missing":
+            lines.append(f"missing required key '{key}'")
+        else:
+            lines.append(f"'{key}': {err['msg']}")
+    return "; ".join(lines)

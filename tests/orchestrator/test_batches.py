@@ -1,0 +1,120 @@
+"""How finished groups become batches: advantages per rollout, the zero-advantage filter and its cap, stale samples,
+what is written to rollouts/step_<n>/ and logged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from primerl.config.orchestrator import OrchestratorConfig
+from primerl.monitor import read_metrics
+from primerl.orchestrator.loop import Orchestrator, PolicyTracker, TaskStream, score_group
+from primerl.orchestrator.rollouts import Sample
+from primerl.transport.rollouts import read_batch
+
+
+def sample(trace: str, reward: float, versions=(0, 0), tokens: int = 4, error: str | None = None) -> Sample:
+    ids = list(range(1, tokens + 1))
+    mask = [0, 0] + [1] * (tokens - 2) if tokens else []
+    return Sample(
+        env="reverse-text", task_id="t", trace_id=trace, input_ids=ids, loss_mask=mask,
+        inference_logprobs=[-0.5 * m for m in mask], prompt_len=2 if tokens else 0, reward=reward, rewards={},
+        policy_versions=versions, num_turns=1, is_truncated=False, stop_condition="agent_completed", error=error,
+    )
+
+
+def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None):
+    samples = [sample(f"{task}-{i}", r, versions) for i, r in enumerate(rewards)]
+    return score_group(task, samples, orchestrator.advantage_fn, seconds=0.1)
+
+
+@pytest.fixture
+def orchestrator(tmp_path):
+    def make(**overrides) -> Orchestrator:
+        cfg = OrchestratorConfig(run_dir=tmp_path, batch={"tasks_per_step": 2, "group_size": 2, "seq_len": 16},
+                                 **overrides)
+        o = Orchestrator(cfg)
+        o.policy = PolicyTracker(http=None, run_dir=tmp_path, admin_token=None, poll_s=1.0)
+        o.tasks = TaskStream(_Taskset(), seed=0)
+        return o
+
+    return make
+
+
+class _Taskset(list):
+    bounded = True
+
+    def __init__(self):
+        super().__init__(["task"])
+
+
+def test_a_batch_carries_each_rollouts_advantage(orchestrator, tmp_path):
+    o = orchestrator()
+    o._collect(group("a", [1.0, 0.0], orchestrator=o))
+    assert o._take_fresh_groups() is None  # one group of two
+    o._collect(group("b", [0.25, 0.75], orchestrator=o))
+    assert o._take_fresh_groups() == 0
+    batch = read_batch(tmp_path / "rollouts" / "step_0")
+    advantages = {}
+    for row in range(batch.num_rows):
+        for index, adv in zip(batch.arrays["sample_index"][row], batch.arrays["advantages"][row]):
+            if index >= 0:
+                advantages.setdefault(int(index), float(adv))
+    assert sorted(advantages.values()) == pytest.approx([-0.5, -0.25, 0.25, 0.5])
+    assert json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())["extra"]["tasks"] == ["a", "b"]
+    (record,) = read_metrics(tmp_path, "orchestrator")
+    assert record["reward_mean"] == pytest.approx(0.5) and record["samples"] == 4
+    assert o.progress.next_step == 1
+
+
+def test_zero_advantage_groups_are_dropped_until_the_cap_then_kept(orchestrator, tmp_path):
+    o = orchestrator(advantage={"max_extra_groups": 1})
+    o._collect(group("perfect", [1.0, 1.0], orchestrator=o))
+    assert not o.ready and o.stats.groups_dropped_zero_advantage == 1
+    o._collect(group("hopeless", [0.0, 0.0], orchestrator=o))  # cap reached: kept
+    o._collect(group("mixed", [0.0, 1.0], orchestrator=o))
+    assert o._take_fresh_groups() == 0
+    (record,) = read_metrics(tmp_path, "orchestrator")
+    assert record["groups_dropped_zero_advantage"] == 1
+    assert record["reward_mean"] == pytest.approx(3 / 6)  # the dropped perfect group still counts as seen
+    assert record["batch_reward_mean"] == pytest.approx(1 / 4)
+
+
+def test_zero_advantage_groups_are_kept_when_the_filter_is_off(orchestrator):
+    o = orchestrator(advantage={"drop_zero_advantage": False})
+    o._collect(group("same", [0.5, 0.5], orchestrator=o))
+    assert len(o.ready) == 1
+
+
+def test_samples_older_than_the_bound_are_dropped_and_counted(orchestrator, tmp_path):
+    o = orchestrator(max_async_steps=1)
+    o.progress.next_step = 3
+    o._collect(group("old", [0.0, 1.0], versions=(1, 2), orchestrator=o))  # 1 < 3 - 1
+    o._collect(group("fresh", [0.0, 1.0], versions=(2, 3), orchestrator=o))
+    assert o._take_fresh_groups() is None
+    assert [g.task_id for g in o.ready] == ["fresh"] and o.stats.samples_dropped_off_policy == 2
+    o._collect(group("newer", [1.0, 0.0], versions=(3, 3), orchestrator=o))
+    assert o._take_fresh_groups() == 3
+    meta = json.loads((tmp_path / "rollouts" / "step_3" / "meta.json").read_text())
+    assert min(s["policy_versions"][0] for s in meta["samples"]) == 2
+    (record,) = read_metrics(tmp_path, "orchestrator")
+    assert record["samples_dropped_off_policy"] == 2 and record["policy_lag_max"] == 1
+
+
+def test_failed_rollouts_score_but_never_reach_the_batch(orchestrator, tmp_path):
+    o = orchestrator()
+    broken = score_group("x", [sample("x-0", 0.0, tokens=0, error="ProviderError: boom"), sample("x-1", 1.0)],
+                         o.advantage_fn, 0.1)
+    o._collect(broken)
+    o._collect(group("y", [0.0, 1.0], orchestrator=o))
+    assert o._take_fresh_groups() == 0
+    assert json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())["num_samples"] == 3
+    assert read_metrics(tmp_path, "orchestrator")[0]["errors"] == 1
+
+
+def test_a_run_of_entirely_failed_groups_stops_the_orchestrator(orchestrator):
+    o = orchestrator()
+    with pytest.raises(RuntimeError, match="boom"):
+        for i in range(100):
+            o._collect(score_group(f"t{i}", [sample(f"{i}", 0.0, tokens=0, error="boom")], o.advantage_fn, 0.1))

@@ -1,0 +1,101 @@
+"""`primerl check`: every step ends passed, failed or skipped-with-a-reason; a step that cannot run here is skipped,
+never passed; a failing step makes the command exit non-zero naming it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY_RECIPE = ROOT / "recipes" / "tiny.toml"
+HEAVY_STEPS = "sft_trainer,rl_trainer,inference,rl_smoke"
+
+
+def check(*args: str, env: dict[str, str] | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "primerl.cli", "check", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})}, check=False)
+
+
+def statuses(report: Path) -> dict[str, tuple[str, str]]:
+    return {s["name"]: (s["status"], s["detail"]) for s in json.loads(report.read_text())["steps"]}
+
+
+def no_gpu_here() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+pytestmark = pytest.mark.skipif(not no_gpu_here(), reason="these tests describe a machine without GPUs")
+
+
+def test_light_steps_pass_for_the_tiny_recipe_and_gpu_steps_are_skipped(tmp_path):
+    report = tmp_path / "report.json"
+    proc = check(str(TINY_RECIPE), "--skip", HEAVY_STEPS, "--run-dir", str(tmp_path / "run"), "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    found = statuses(report)
+    assert found.pop("flash_attn")[0] == "skipped"
+    assert {name: status for name, (status, _) in found.items()} == {
+        "python": "passed", "torch": "passed", "disk": "passed", "memory": "passed", "ports": "passed",
+        "run_dir": "passed", "model": "passed",
+    }
+    assert "step" in proc.stdout and "status" in proc.stdout  # the console table
+
+
+def test_steps_a_gpu_recipe_cannot_run_here_are_skipped_with_the_reason(tmp_path):
+    report = tmp_path / "report.json"
+    proc = check(str(ROOT / "recipes" / "alphabet-sort.toml"), "--only", "torch,flash_attn,inference,rl_smoke",
+                 "--run-dir", str(tmp_path / "run"), "--report", str(report))
+    found = statuses(report)
+    assert found["torch"][0] == "failed" and "needs 2 GPU(s)" in found["torch"][1]
+    for name in ("flash_attn", "inference", "rl_smoke"):
+        status, reason = found[name]
+        assert status == "skipped" and ("GPU" in reason), (name, reason)
+    assert proc.returncode == 1 and "torch" in proc.stderr
+
+
+def test_an_unwritable_run_dir_fails_the_check_naming_the_step(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    report = tmp_path / "report.json"
+    proc = check(str(TINY_RECIPE), "--only", "python,run_dir", "--run-dir", str(blocker / "run"),
+                 "--report", str(report))
+    assert proc.returncode == 1
+    assert "run_dir" in proc.stderr.splitlines()[-1]
+    assert statuses(report)["run_dir"][0] == "failed"
+    assert statuses(report)["python"][0] == "passed"
+
+
+def test_tampered_model_weights_fail_the_model_step(tmp_path, tiny_model_dir):
+    cache = tmp_path / "cache" / "models" / tiny_model_dir.name
+    shutil.copytree(tiny_model_dir, cache)
+    weights = cache / "model.safetensors"
+    weights.chmod(0o644)
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x00")
+    report = tmp_path / "report.json"
+    proc = check(str(TINY_RECIPE), "--only", "model", "--run-dir", str(tmp_path / "run"), "--report", str(report),
+                 env={"PRIMERL_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 1
+    status, detail = statuses(report)["model"]
+    assert status == "failed" and "model file model.safetensors: pinned" in detail
+
+
+def test_unknown_step_names_are_a_usage_error():
+    proc = check("--only", "pyton")
+    assert proc.returncode == 2 and "pyton" in proc.stderr
+
+
+@pytest.mark.integration
+def test_the_full_checklist_passes_for_the_tiny_recipe(tmp_path):
+    report = tmp_path / "report.json"
+    proc = check(str(TINY_RECIPE), "--run-dir", str(tmp_path / "run"), "--report", str(report), timeout=3600)
+    found = statuses(report)
+    assert found.pop("flash_attn")[0] == "skipped"
+    assert {name: status for name, (status, _) in found.items()} == {name: "passed" for name in found}, found
+    assert proc.returncode == 0
