@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         "seconds_to_first_batch": statistics.median(r["seconds_to_first_batch"] for r in runs),
         "runs": runs,
         "config": {"file": str(CONFIG.relative_to(REPO)), "model": args.model},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "load_average_1m": round(os.getloadavg()[0], 2)},
     }
     print(json.dumps(result))
     if args.out:

@@ -3,6 +3,7 @@ started by ci/dockerd.sh and stopped at the end), and a Debian base image made b
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
@@ -16,8 +17,16 @@ def _ci(script: str, *args: str) -> str:
     return done.stdout.strip()
 
 
+IMAGE_TESTS_VAR = "PRIMERL_IMAGE_TESTS"
+
+
 @pytest.fixture(scope="session")
 def docker_client():
+    if os.environ.get(IMAGE_TESTS_VAR) != "1":
+        pytest.skip(
+            f"image builds are opt-in ({IMAGE_TESTS_VAR}=1): a cold primerl:cpu build takes about 20 min on 2 cores "
+            "with the vfs storage driver, and the whole image test about 30 min (docs/containers.md)"
+        )
     from primerl.launch.images import docker_client as connect
 
     how = _ci("dockerd.sh", "start")
