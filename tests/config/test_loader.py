@@ -11,7 +11,7 @@ from primerl.config.loader import parse_args
 
 class Optim(Section):
     lr: float = 1e-5
-    betas: list[float] = [0.9, 0.99]
+    betas: list[float] = Field(default_factory=lambda: [0.9, 0.99])
 
 
 class Demo(ProcessConfig):
@@ -72,7 +72,7 @@ def test_cli_overrides_beat_env_beat_files(tmp_path, monkeypatch):
 
 
 def test_override_forms_and_flags():
-    cfg, parsed = load(Demo, ["--optim.lr=0.5", "--model.name", "tiny", "--compile", "--tags", '["x", "y"]'])
+    cfg, _ = load(Demo, ["--optim.lr=0.5", "--model.name", "tiny", "--compile", "--tags", '["x", "y"]'])
     assert cfg.optim.lr == 0.5 and cfg.model.name == "tiny" and cfg.compile is True and cfg.tags == ["x", "y"]
     cfg, _ = load(Demo, ["--compile", "--no-compile"])
     assert cfg.compile is False

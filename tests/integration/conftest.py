@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from primerl.monitor import read_metrics
+
 REPO = Path(__file__).resolve().parents[2]
 TINY_RL = REPO / "configs" / "debug" / "tiny-rl.toml"
 
@@ -35,18 +37,7 @@ def start_rl(run_dir: Path, *overrides: str) -> subprocess.Popen:
 
 
 def records(run_dir: Path, source: str) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("source") == source:
-            out.append(record)
-    return out
+    return read_metrics(run_dir, source)
 
 
 def batch_meta(run_dir: Path, step: int) -> dict:

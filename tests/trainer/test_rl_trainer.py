@@ -9,8 +9,8 @@ import time
 
 import pytest
 import torch
-from trainer_helpers import read_metrics, write_fixed_batches
 from safetensors.torch import load_file
+from trainer_helpers import read_metrics, write_fixed_batches
 
 from primerl.config import load
 from primerl.config.trainer import TrainerConfig

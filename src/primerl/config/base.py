@@ -21,10 +21,10 @@ class _FileSource(PydanticBaseSettingsSource):
     """The TOML files of the current `load` call, already merged (includes and `@` files, left to right)."""
 
     def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
-        return FILE_LAYER.get().get(field_name), field_name, False
+        return (FILE_LAYER.get() or {}).get(field_name), field_name, False
 
     def __call__(self) -> dict[str, Any]:
-        return dict(FILE_LAYER.get())
+        return dict(FILE_LAYER.get() or {})
 
 
 class ProcessConfig(BaseSettings):

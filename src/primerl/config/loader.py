@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from contextvars import ContextVar
 from collections.abc import Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ INCLUDE_KEY = "include"
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 # The merged TOML files of the `load` call in progress, read by ProcessConfig's settings source.
-FILE_LAYER: ContextVar[dict[str, Any]] = ContextVar("primerl_file_layer", default={})
+FILE_LAYER: ContextVar[dict[str, Any] | None] = ContextVar("primerl_file_layer", default=None)
 
 
 class ConfigError(Exception):
@@ -167,7 +167,7 @@ def parse_args(argv: Sequence[str], flag_names: set[str] | None = None) -> Parse
                 negated = _negated(name)
                 if negated in flag_names:
                     out.overrides.append((negated, False))
-                elif name in flag_names or nxt is None or nxt.startswith("--") or nxt.startswith("@"):
+                elif name in flag_names or nxt is None or nxt.startswith(("--", "@")):
                     out.overrides.append((name, True))
                 else:
                     out.overrides.append((name, _cli_value(nxt)))

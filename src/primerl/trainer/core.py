@@ -8,6 +8,7 @@ of the whole step (all micro-batches, all ranks), clips, steps the optimizer and
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -29,10 +30,10 @@ from primerl.config.trainer import (
     TrainingConfig,
     WeightsConfig,
 )
+from primerl.monitor import MetricsLogger, format_line
 from primerl.trainer import dist as tdist
 from primerl.trainer.ckpt import Checkpointer
 from primerl.trainer.loss import LossOutput
-from primerl.monitor import MetricsLogger, format_line
 from primerl.trainer.metrics import attention_shape, peak_flops, peak_memory_gib, step_flops
 from primerl.trainer.model import Policy, PolicyOutput, build_policy, count_matmul_params
 from primerl.trainer.optim import build_optimizer, build_scheduler
@@ -80,6 +81,11 @@ class TrainerParts:
     scheduler: SchedulerConfig
     ckpt: CheckpointConfig
     weights: WeightsConfig
+
+    @classmethod
+    def of(cls, cfg) -> TrainerParts:
+        """The parts of an RL or SFT trainer config (both carry every section under the same names)."""
+        return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
 
 
 def micro_batches(arrays: dict[str, np.ndarray], rows_per_micro_batch: int, device: torch.device) -> list[MicroBatch]:

@@ -59,16 +59,7 @@ def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput]) -> StepLoss:
 
 
 def train(cfg: TrainerConfig) -> None:
-    parts = TrainerParts(
-        run_dir=cfg.run_dir,
-        model=cfg.model,
-        train=cfg.train,
-        lora=cfg.lora,
-        optim=cfg.optim,
-        scheduler=cfg.scheduler,
-        ckpt=cfg.ckpt,
-        weights=cfg.weights,
-    )
+    parts = TrainerParts.of(cfg)
     step_loss = make_rl_loss(load_loss(cfg.loss.path, cfg.loss.kwargs))
     trainer = Trainer(parts, source="trainer")
     rank, world = trainer.dist.rank, trainer.dist.world_size

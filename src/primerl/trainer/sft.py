@@ -156,16 +156,7 @@ def sft_loss(out: PolicyOutput, mb: MicroBatch) -> LossOutput:
 
 
 def train(cfg: SFTConfig) -> None:
-    parts = TrainerParts(
-        run_dir=cfg.run_dir,
-        model=cfg.model,
-        train=cfg.train,
-        lora=cfg.lora,
-        optim=cfg.optim,
-        scheduler=cfg.scheduler,
-        ckpt=cfg.ckpt,
-        weights=cfg.weights,
-    )
+    parts = TrainerParts.of(cfg)
     trainer = Trainer(parts, source="sft")
     try:
         tokenizer = trainer.tokenizer
