@@ -9,10 +9,11 @@ An advantage function takes the group's rewards and keyword options and returns 
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from primerl.imports import import_object
 
 AdvantageFn = Callable[..., list[float]]
 
@@ -36,13 +37,7 @@ def grpo(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
 
 def load_advantage_fn(path: str, kwargs: dict[str, Any] | None = None) -> Callable[[Sequence[float]], list[float]]:
     """The function `module:name` with `kwargs` bound. Raises ValueError naming the path when it cannot be loaded."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"advantage path {path!r} must look like 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot load advantage function {path!r}: {e}") from None
+    fn = import_object(path, "advantage function")
     if not callable(fn):
         raise TypeError(f"advantage function {path!r} is not callable")
     options = dict(kwargs or {})

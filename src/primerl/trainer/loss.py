@@ -13,7 +13,6 @@ Formulas (per token t with advantage A, trainer log-prob log p, inference log-pr
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from functools import partial
 
 import torch
 from torch import Tensor
+
+from primerl.imports import import_object
 
 # exp() of larger log-ratios overflows float32; tokens that far off are masked out anyway.
 MAX_LOG_RATIO = 20.0
@@ -121,13 +122,7 @@ def ppo_clip_loss(
 
 def load_loss(path: str, kwargs: dict | None = None) -> Callable[[LossInputs], LossOutput]:
     """Import `module:callable` and bind `kwargs`; unknown keyword names fail here, not at the first step."""
-    module_name, sep, attr = path.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"loss.path must look like 'package.module:function', got {path!r}")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"cannot import loss {path!r}: {e}") from None
+    fn = import_object(path, "loss")
     kwargs = dict(kwargs or {})
     try:
         inspect.signature(fn).bind(None, **kwargs)
