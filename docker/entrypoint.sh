@@ -1,7 +1,7 @@
 #!/bin/sh
 # Entry point of primerl's images.
 #
-#   docker run primerl:cpu rl recipes/reverse-text-cpu.toml   -> rl recipes/...   (a console script of primerl)
+#   docker run primerl:cpu rl recipes/reverse-text.toml   -> rl recipes/...   (a console script of primerl)
 #   docker run primerl:cpu check                              -> check            (the validation checklist)
 #   docker run primerl:cpu run recipe.toml / models list      -> primerl run ... / primerl models list
 #   docker run primerl:cpu python -c '...' / bash             -> the program itself

@@ -50,11 +50,11 @@ def test_light_steps_pass_for_the_tiny_recipe_and_gpu_steps_are_skipped(tmp_path
 
 def test_steps_a_gpu_recipe_cannot_run_here_are_skipped_with_the_reason(tmp_path):
     report = tmp_path / "report.json"
-    proc = check(str(ROOT / "recipes" / "alphabet-sort.toml"), "--only", "torch,flash_attn,inference,rl_smoke",
+    proc = check(str(ROOT / "recipes" / "alphabet-sort.toml"), "--only", "torch,flash_attn," + HEAVY_STEPS,
                  "--run-dir", str(tmp_path / "run"), "--report", str(report))
     found = statuses(report)
     assert found["torch"][0] == "failed" and "needs 2 GPU(s)" in found["torch"][1]
-    for name in ("flash_attn", "inference", "rl_smoke"):
+    for name in ("flash_attn", *HEAVY_STEPS.split(",")):
         status, reason = found[name]
         assert status == "skipped" and ("GPU" in reason), (name, reason)
     assert proc.returncode == 1 and "torch" in proc.stderr
@@ -98,4 +98,6 @@ def test_the_full_checklist_passes_for_the_tiny_recipe(tmp_path):
     found = statuses(report)
     assert found.pop("flash_attn")[0] == "skipped"
     assert {name: status for name, (status, _) in found.items()} == {name: "passed" for name in found}, found
+    # The fake-data trainer steps train the recipe's own model, not the embedded default.
+    assert found["sft_trainer"][1].endswith("on tiny finished") and found["rl_trainer"][1].endswith("on tiny finished")
     assert proc.returncode == 0

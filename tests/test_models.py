@@ -67,3 +67,18 @@ def test_models_cli_lists_registry(capsys):
     assert models.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "smollm2-135m-instruct" in out and "tiny" in out
+
+
+def test_models_prepared_into_a_directory_are_found_through_primerl_model_dirs(monkeypatch, tmp_path, tiny_model_dir):
+    baked, cache = tmp_path / "baked", tmp_path / "cache"
+    monkeypatch.setenv("PRIMERL_CACHE", str(cache))
+    assert models.main(["prepare", "tiny", "--into", str(baked)]) == 0
+    prepared = baked / tiny_model_dir.name
+    assert _digest(prepared) == _digest(tiny_model_dir)
+    monkeypatch.setenv(models.MODEL_DIRS_VAR, f"{tmp_path / 'missing'}:{baked}")
+    assert resolve_model("tiny") == prepared
+    assert not (cache / "models").exists()  # found, not rebuilt into the cache
+    monkeypatch.delenv(models.MODEL_DIRS_VAR)
+    assert resolve_model("tiny") == cache / "models" / tiny_model_dir.name  # without it: built into the cache
+    with pytest.raises(ModelError, match="only registry models"):
+        resolve_model(str(tiny_model_dir), into=baked)

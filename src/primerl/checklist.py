@@ -10,8 +10,8 @@ Steps, in order (each with its own timeout; `--only` / `--skip` pick them by nam
     ports        the TCP ports the run will bind are free
     run_dir      the run directory can be created and written
     model        the model files are present with the pinned hashes
-    sft_trainer  `primerl sft` runs configs/debug/fake/sft.toml
-    rl_trainer   `primerl trainer` runs configs/debug/fake/rl.toml
+    sft_trainer  `primerl sft` runs configs/debug/fake/sft.toml (on the recipe's model when a recipe is given)
+    rl_trainer   `primerl trainer` runs configs/debug/fake/rl.toml (on the recipe's model when a recipe is given)
     inference    `primerl inference` serves the recipe's model: /health, /v1/models, one chat completion
     rl_smoke     `primerl rl` runs the recipe's smoke variant (a few steps of the whole stack)
 
@@ -47,9 +47,6 @@ INFERENCE_STARTUP_S = 600
 FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
 FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"
 DEFAULT_RUN_DIR = Path("runs/check")
-# The heavy steps' children get their configs as files, so PRIMERL_* config variables are not passed on; these are not
-# config variables and are.
-PASSED_ON_VARS = ("PRIMERL_CACHE",)
 
 
 class Skip(Exception):
@@ -225,17 +222,42 @@ def check_model(ctx: Context) -> str:
 
 
 def check_sft_trainer(ctx: Context) -> str:
-    config = _project_file(FAKE_SFT_CONFIG)
-    work = ctx.work_dir / "sft_trainer"
-    _run_command(ctx, "sft_trainer", ["sft", "@", str(config), "--run_dir", str(work)], timeout_s=600)
-    return f"primerl sft @ {FAKE_SFT_CONFIG} finished"
+    return _run_fake_trainer(ctx, "sft_trainer", "sft", FAKE_SFT_CONFIG)
 
 
 def check_rl_trainer(ctx: Context) -> str:
-    config = _project_file(FAKE_RL_CONFIG)
-    work = ctx.work_dir / "rl_trainer"
-    _run_command(ctx, "rl_trainer", ["trainer", "@", str(config), "--run_dir", str(work)], timeout_s=600)
-    return f"primerl trainer @ {FAKE_RL_CONFIG} finished"
+    return _run_fake_trainer(ctx, "rl_trainer", "trainer", FAKE_RL_CONFIG)
+
+
+def _run_fake_trainer(ctx: Context, name: str, command: str, fake_config: str) -> str:
+    """Run a trainer on fake data for a few steps. With a recipe it trains the recipe's model (the one the run will
+    train, at its pinned revision), so the step checks that model with this trainer on this machine; without one it
+    trains the fake config's own model (the embedded default)."""
+    config = _project_file(fake_config)
+    work = ctx.work_dir / name
+    args = [command, "@", str(config)]
+    model = _recipe_model(ctx)
+    if model is not None:
+        ctx.require_runnable_here()
+        import tomli_w
+
+        override = ctx.log_dir / f"{name}.model.toml"
+        override.write_text(tomli_w.dumps({"model": model}))
+        args += ["@", str(override)]
+    _run_command(ctx, name, [*args, "--run_dir", str(work)], timeout_s=600)
+    on = f" on {model['name']}" if model is not None else ""
+    return f"primerl {command} @ {fake_config}{on} finished"
+
+
+def _recipe_model(ctx: Context) -> dict[str, Any] | None:
+    """The model table of the recipe's first stage (name, pinned revision, dtype), or None without a recipe."""
+    if ctx.recipe is None or not ctx.recipe.stages:
+        return None
+    for stage in ctx.recipe.stages:
+        model = getattr(validate_stage(ctx.recipe, stage), "model", None)
+        if model is not None:
+            return model.model_dump(mode="json", exclude_none=True)
+    return None
 
 
 def check_inference(ctx: Context) -> str:
@@ -248,7 +270,7 @@ def check_inference(ctx: Context) -> str:
     config_file.write_text(_inference_config(ctx))
     port = _free_port()
     server = ManagedProcess("inference", primerl_command("inference", "@", str(config_file), "--port", str(port)),
-                            ctx.log_dir / "inference.log", env=child_environment(keep_primerl_vars=PASSED_ON_VARS))
+                            ctx.log_dir / "inference.log", env=child_environment())
     base = f"http://127.0.0.1:{port}"
     server.start()
     try:
@@ -340,7 +362,7 @@ def _run_command(ctx: Context, name: str, args: Sequence[str], timeout_s: float)
     from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
 
     proc = ManagedProcess(name, primerl_command(*args), ctx.log_dir / f"{name}.log",
-                          env=child_environment(keep_primerl_vars=PASSED_ON_VARS))
+                          env=child_environment())
     proc.start()
     started = last_note = time.monotonic()
     try:

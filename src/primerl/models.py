@@ -12,6 +12,10 @@
 `primerl models list` prints the registry; `primerl models prepare NAME` builds a cached model ahead of time.
 The cache lives in `$PRIMERL_CACHE` (default `~/.cache/primerl`). Each entry is built in a temporary directory and
 renamed into place, so a crash mid-conversion never leaves a half-written model behind.
+
+Prepared models can also live in read-only directories listed in `$PRIMERL_MODEL_DIRS` (separated by `:`), searched
+before the cache: container images bake the registry models there with `primerl models prepare NAME --into DIR`, so a
+container finds them whatever cache directory it is given.
 """
 
 from __future__ import annotations
@@ -84,8 +88,16 @@ CHATML_TEMPLATE = (
 )
 
 
+MODEL_DIRS_VAR = "PRIMERL_MODEL_DIRS"
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("PRIMERL_CACHE", Path.home() / ".cache" / "primerl")).expanduser()
+
+
+def prepared_dirs() -> list[Path]:
+    """The read-only directories of prepared models (`$PRIMERL_MODEL_DIRS`), in search order."""
+    return [Path(d).expanduser() for d in os.environ.get(MODEL_DIRS_VAR, "").split(os.pathsep) if d]
 
 
 def registry() -> dict[str, str]:
@@ -96,12 +108,15 @@ def registry() -> dict[str, str]:
     }
 
 
-def resolve_model(name: str, revision: str | None = None, progress: bool = True) -> Path:
-    """A local directory with config.json, safetensors weights and tokenizer files for `name`."""
+def resolve_model(name: str, revision: str | None = None, progress: bool = True, into: Path | None = None) -> Path:
+    """A local directory with config.json, safetensors weights and tokenizer files for `name`. A registry model is
+    looked up in the prepared directories, then in the cache, and built into the cache (or into `into`) if absent."""
     if name == EMBEDDED:
-        return _cached(f"{EMBEDDED}", lambda out: convert_gguf(SMOLLM2, out, progress=progress))
+        return _cached(f"{EMBEDDED}", lambda out: convert_gguf(SMOLLM2, out, progress=progress), into)
     if name == TINY:
-        return _cached(f"tiny-{TINY_VERSION}", build_tiny_model)
+        return _cached(f"tiny-{TINY_VERSION}", build_tiny_model, into)
+    if into is not None:
+        raise ModelError(f"only registry models ({', '.join(registry())}) can be prepared into a directory")
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -113,8 +128,12 @@ def resolve_model(name: str, revision: str | None = None, progress: bool = True)
     return _hub_snapshot(name, revision)
 
 
-def _cached(key: str, build: Callable[[Path], None]) -> Path:
-    final = cache_dir() / "models" / key
+def _cached(key: str, build: Callable[[Path], None], into: Path | None = None) -> Path:
+    if into is None:
+        for prepared in prepared_dirs():
+            if (prepared / key / "config.json").is_file():
+                return prepared / key
+    final = (into if into is not None else cache_dir() / "models") / key
     if (final / "config.json").is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -294,14 +313,17 @@ def main(argv: list[str] | None = None) -> int:
     prep = sub.add_parser("prepare", help="build or convert a model into the cache now; prints its directory")
     prep.add_argument("name")
     prep.add_argument("--revision")
+    prep.add_argument("--into", type=Path, help="build into this directory instead of the cache (for PRIMERL_MODEL_DIRS)")
     args = parser.parse_args(argv)
     if args.cmd == "list":
         for name, desc in registry().items():
             print(f"{name:24s} {desc}")
+        for prepared in prepared_dirs():
+            print(f"prepared: {prepared}")
         print(f"cache: {cache_dir() / 'models'}")
         return 0
     try:
-        print(resolve_model(args.name, args.revision))
+        print(resolve_model(args.name, args.revision, into=args.into))
     except ModelError as e:
         print(f"primerl models: error: {e}", file=sys.stderr)
         return 2

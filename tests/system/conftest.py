@@ -24,8 +24,9 @@ IMAGE_TESTS_VAR = "PRIMERL_IMAGE_TESTS"
 def docker_client():
     if os.environ.get(IMAGE_TESTS_VAR) != "1":
         pytest.skip(
-            f"image builds are opt-in ({IMAGE_TESTS_VAR}=1): a cold primerl:cpu build takes about 20 min on 2 cores "
-            "with the vfs storage driver, and the whole image test about 30 min (docs/containers.md)"
+            f"image builds are opt-in ({IMAGE_TESTS_VAR}=1 pytest -m images; .ci/run runs them as their own group): "
+            "they need root for dockerd and take about 15 min on 2 cores with the vfs storage driver "
+            "(docs/containers.md)"
         )
     from primerl.launch.images import docker_client as connect
 

@@ -30,6 +30,7 @@ def test_dockerfiles_pass_hadolint():
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+@pytest.mark.images
 def test_cuda_python_stage_builds_on_the_local_base(docker_client, base_image, base_python):
     result = build_image(
         docker_client,
