@@ -9,7 +9,7 @@ import sys
 import pytest
 from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wait_for
 
-from primerl.transport.weights import stable_steps
+from primerl.transport.weights import broadcast_marker, has_files, stable_steps, weights_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -85,3 +85,52 @@ def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
     assert "trainer was killed by signal 9" in err
     assert "trainer.toml" in err.split("last lines of")[1]  # the tail of the trainer's log: its command line
     assert not processes_of_run(run)
+
+
+def test_rl_with_the_weight_broadcast(tmp_path):
+    run = tmp_path / "run"
+    result = run_rl(run, "--weight_transfer=broadcast", "--max_async_steps=0", "--trainer.ckpt.interval=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert stable_steps(run) == [1, 2, 3]
+    # step 1: a marker only; step 2: a marker, and full weights as a checkpoint step; step 3, the last: full weights
+    assert broadcast_marker(weights_dir(run, 1)) and not has_files(weights_dir(run, 1))
+    assert broadcast_marker(weights_dir(run, 2)) and has_files(weights_dir(run, 2))
+    assert broadcast_marker(weights_dir(run, 3)) is None and has_files(weights_dir(run, 3))
+    trainer = records(run, "trainer")
+    assert [r["weight_transfer"] for r in trainer] == ["broadcast"] * 3
+    assert all(r["weights_broadcast_bytes"] > 0 and r["weights_broadcast_buckets"] >= 1 for r in trainer[:2])
+    # synchronous: rollouts/step_n are all sampled by policy n, so versions 1 and 2 reached the server (broadcast)
+    for step in range(3):
+        assert set(versions(run, step)) == {(step, step)}
+    inference_log = (run / "logs" / "inference.log").read_text()
+    assert "received step 1 by broadcast" in inference_log and "received step 2 by broadcast" in inference_log
+    assert "step 2 is live (received by broadcast" in inference_log
+    assert not processes_of_run(run)
+
+
+def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
+    run = tmp_path / "run"
+    overrides = ("--max_steps=4", "--weight_transfer=broadcast", "--trainer.ckpt.interval=2")
+    proc = start_rl(run, *overrides)
+    wait_for(lambda: len(records(run, "trainer")) >= 3 and (run / "checkpoints" / "step_2" / "trainer").is_dir(),
+             timeout=400, what="three trained steps", proc=proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
+    assert broadcast_marker(weights_dir(run, 3)) is not None  # version 3 lived only in the dead server
+
+    result = run_rl(run, *overrides, "--resume")
+    assert result.returncode == 0, result.stdout + result.stderr
+    trainer_log = (run / "logs" / "trainer.log").read_text()
+    assert "resumed from" in trainer_log and "removed weight snapshots [3]" in trainer_log
+    inference_log = (run / "logs" / "inference.log").read_text()
+    # The new server starts at version 0 and catches up either from the full step-2 snapshot on disk (when the
+    # orchestrator polls after the trainer removed the stale step-3 marker) or straight from step 3, trained again and
+    # sent through the new group: which comes first depends on who polls first after the restart. Either way version 3
+    # arrives through the new group, and no batch breaks the async bound (step n sampled by policy >= n - 1).
+    restarted = inference_log.split("joined weight group")[-1]
+    assert "received step 3 by broadcast" in restarted, restarted[-3000:]
+    for step in range(4):
+        assert min(first for first, _ in versions(run, step)) >= step - 1, (step, versions(run, step))
+    assert stable_steps(run)[-1] == 4 and has_files(weights_dir(run, 4))
+    assert records(run, "trainer")[-1]["weight_transfer"] == "broadcast"

@@ -1,4 +1,5 @@
-"""The launcher's child processes: logs, stopping (politely, then by force), dying with the launcher."""
+"""The launcher's child processes: logs, stopping (politely, then by force), dying with the launcher; the process
+plan of `rl` for each device layout (commands and environments, without starting anything); torchrun's teardown."""
 
 import os
 import signal
@@ -9,7 +10,14 @@ import time
 
 import pytest
 
-from primerl.launch.processes import ManagedProcess, child_environment, stop_all
+from primerl.config import load
+from primerl.config.inference import InferenceConfig
+from primerl.config.orchestrator import OrchestratorConfig
+from primerl.config.rl import RLConfig
+from primerl.config.trainer import TrainerConfig
+from primerl.launch.local import build_processes, describe_devices
+from primerl.launch.processes import ManagedProcess, child_environment, stop_all, torchrun_command
+from primerl.multicast import MULTICAST_OFF
 
 
 def python(code: str) -> list[str]:
@@ -87,6 +95,150 @@ def _alive(pid: int) -> bool:
 def test_children_get_no_primerl_variables_except_those_kept(monkeypatch):
     monkeypatch.setenv("PRIMERL_SEED", "3")
     monkeypatch.setenv("PRIMERL_ADMIN_TOKEN", "secret")
+    monkeypatch.setenv("PRIMERL_MODEL_DIRS", "/opt/models")  # not a config key: where prepared models are
     env = child_environment({"CUDA_VISIBLE_DEVICES": ""}, keep_primerl_vars=["PRIMERL_ADMIN_TOKEN"])
     assert "PRIMERL_SEED" not in env and env["PRIMERL_ADMIN_TOKEN"] == "secret"
+    assert env["PRIMERL_MODEL_DIRS"] == "/opt/models"
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PATH"] == os.environ["PATH"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The process plan of `rl` for a device layout: commands and environments, nothing started
+
+
+def plan(tmp_path, num_gpus: int, *overrides: str, gpus: list[str] | None = None) -> dict[str, ManagedProcess]:
+    cfg, _ = load(RLConfig, ["--model.name=tiny", f"--output_dir={tmp_path / 'run'}", *overrides])
+    gpus = gpus if gpus is not None else [str(i) for i in range(num_gpus)]
+    processes = build_processes(cfg, tmp_path / "run", cfg.assign_devices(num_gpus), gpus)
+    return {p.name: p for p in processes}
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "inference_gpus", "trainer_gpus"),
+    [(0, "", ""), (1, "0", "0"), (2, "0", "1"), (4, "0", "1,2,3"), (8, "0", "1,2,3,4,5,6,7")],
+)
+def test_each_process_gets_its_gpus_and_the_trainer_one_rank_per_gpu(tmp_path, num_gpus, inference_gpus, trainer_gpus):
+    processes = plan(tmp_path, num_gpus)
+    assert processes["inference"].env["CUDA_VISIBLE_DEVICES"] == inference_gpus
+    assert processes["trainer"].env["CUDA_VISIBLE_DEVICES"] == trainer_gpus
+    assert processes["orchestrator"].env["CUDA_VISIBLE_DEVICES"] == ""
+    ranks = len(trainer_gpus.split(",")) if trainer_gpus else 1
+    trainer_config = str(tmp_path / "run" / "config" / "trainer.toml")
+    argv = list(processes["trainer"].argv)
+    if ranks == 1:
+        assert argv == [sys.executable, "-m", "primerl.cli", "trainer", "@", trainer_config]
+    else:
+        assert argv[:3] == [sys.executable, "-m", "torch.distributed.run"]
+        assert "--standalone" in argv and f"--nproc-per-node={ranks}" in argv and "--max-restarts=0" in argv
+        assert argv[argv.index("-m", 3):] == ["-m", "primerl.cli", "trainer", "@", trainer_config]
+    orchestrator, _ = load(OrchestratorConfig, ["@", str(tmp_path / "run" / "config" / "orchestrator.toml")])
+    assert orchestrator.batch.num_ranks == ranks
+    for p in processes.values():
+        assert {k: p.env[k] for k in MULTICAST_OFF} == MULTICAST_OFF
+    assert processes["inference"].env["PRIMERL_ADMIN_TOKEN"] == processes["orchestrator"].env["PRIMERL_ADMIN_TOKEN"]
+    assert "PRIMERL_ADMIN_TOKEN" not in processes["trainer"].env
+
+
+def test_gpus_are_named_as_in_the_launchers_cuda_visible_devices(tmp_path):
+    processes = plan(tmp_path, 4, "--devices.trainer=[1, 3]", gpus=["4", "5", "6", "7"])
+    assert processes["inference"].env["CUDA_VISIBLE_DEVICES"] == "4"
+    assert processes["trainer"].env["CUDA_VISIBLE_DEVICES"] == "5,7"
+
+
+def test_vllm_tensor_parallel_size_follows_the_inference_gpus(tmp_path):
+    plan(tmp_path, 8, "--inference.engine=vllm", "--devices.inference=[0, 1, 2, 3]", "--weight_transfer=broadcast")
+    inference, _ = load(InferenceConfig, ["@", str(tmp_path / "run" / "config" / "inference.toml")])
+    trainer, _ = load(TrainerConfig, ["@", str(tmp_path / "run" / "config" / "trainer.toml")])
+    assert inference.vllm.tensor_parallel_size == 4
+    assert trainer.weights.broadcast.receivers == 4  # one per vLLM worker, so the trainer waits for all of them
+
+
+def test_multicast_settings_of_the_user_are_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    processes = plan(tmp_path, 2)
+    assert processes["trainer"].env["NCCL_NVLS_ENABLE"] == "1"
+    assert processes["trainer"].env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "overrides", "line"),
+    [
+        (0, [], "devices: inference CPU | trainer CPU, 1 rank | orchestrator CPU"),
+        (1, [], "devices: inference GPU 0 | trainer GPU 0 (shared with inference), 1 rank | orchestrator CPU"),
+        (4, [], "devices: inference GPU 0 | trainer GPUs 1,2,3, 3 ranks under torchrun | orchestrator CPU"),
+        (8, ["--inference.engine=vllm", "--inference.vllm.tensor_parallel_size=2", "--devices.trainer=[2, 3]"],
+         ("devices: inference GPUs 0,1 (vLLM tensor parallel 2) | trainer GPUs 2,3, 2 ranks under torchrun | "
+          "orchestrator CPU | unused GPUs 4,5,6,7")),
+    ],
+)
+def test_the_console_says_which_gpus_each_process_got(num_gpus, overrides, line):
+    cfg, _ = load(RLConfig, overrides)
+    gpus = [str(i) for i in range(num_gpus)]
+    assert describe_devices(cfg.assign_devices(num_gpus), gpus, cfg.inference.engine) == line
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# torchrun as the launcher starts it (no torch in the ranks: they only need to be processes)
+
+RANK_SCRIPT = """
+    import os, sys, time
+    from pathlib import Path
+    out = Path(sys.argv[1])
+    rank = os.environ["RANK"]
+    (out / f"rank_{rank}.pid").write_text(str(os.getpid()))
+    if rank == "1":
+        while not (out / "rank_0.pid").exists():
+            time.sleep(0.05)
+        sys.exit(3)
+    time.sleep(600)  # rank 0 would wait here for a long time
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_failing_rank_stops_torchrun_and_the_other_ranks(tmp_path):
+    script = tmp_path / "ranks.py"
+    script.write_text(textwrap.dedent(RANK_SCRIPT))
+    trainer = ManagedProcess("trainer", torchrun_command(2, [str(script), str(tmp_path)]), tmp_path / "trainer.log",
+                             child_environment())
+    trainer.start()
+    try:
+        code = trainer.popen.wait(timeout=120)
+    finally:
+        stop_all([trainer], grace_s=1.0)
+    assert code != 0, trainer.tail()
+    survivor = int((tmp_path / "rank_0.pid").read_text())
+    wait_for(lambda: not _alive(survivor))
+
+
+PAIR_SCRIPT = """
+    import sys
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1])
+    dist.all_reduce(total)
+    Path(sys.argv[1], f"sum_{dist.get_rank()}").write_text(f"{dist.get_world_size()} {int(total)}")
+    dist.destroy_process_group()
+"""
+
+
+@pytest.mark.integration
+def test_two_torchrun_groups_on_one_host_do_not_meet(tmp_path):
+    script = tmp_path / "pair.py"
+    script.write_text(textwrap.dedent(PAIR_SCRIPT))
+    env = {**child_environment(), "OMP_NUM_THREADS": "1"}
+    runs = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        runs.append(ManagedProcess(name, torchrun_command(2, [str(script), str(tmp_path / name)]),
+                                   tmp_path / f"{name}.log", env))
+    for run in runs:
+        run.start()
+    try:
+        codes = [run.popen.wait(timeout=300) for run in runs]
+    finally:
+        stop_all(runs, grace_s=1.0)
+    assert codes == [0, 0], [run.tail() for run in runs]
+    for name in ("a", "b"):  # each group is its own two ranks: world size 2, sum 1 + 2
+        assert [f.read_text() for f in sorted((tmp_path / name).glob("sum_*"))] == ["2 3", "2 3"]

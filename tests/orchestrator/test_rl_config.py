@@ -66,12 +66,83 @@ def test_process_validators_run_when_the_rl_config_is_resolved(tmp_path):
 
 @pytest.mark.parametrize(
     ("num_gpus", "inference", "trainer", "colocated"),
-    [(0, [], [], False), (1, [0], [0], True), (4, [0], [1, 2, 3], False)],
+    [
+        (0, [], [], False),
+        (1, [0], [0], True),
+        (2, [0], [1], False),
+        (4, [0], [1, 2, 3], False),
+        (8, [0], [1, 2, 3, 4, 5, 6, 7], False),
+    ],
 )
 def test_devices_are_assigned_automatically(num_gpus, inference, trainer, colocated):
     devices = RLConfig().assign_devices(num_gpus)
     assert (devices.inference, devices.trainer, devices.colocated) == (inference, trainer, colocated)
     assert devices.trainer_ranks == max(1, len(trainer))
+
+
+@pytest.mark.parametrize(
+    ("num_gpus", "tensor_parallel", "inference", "trainer"),
+    [(1, 1, [0], [0]), (4, 2, [0, 1], [2, 3]), (8, 4, [0, 1, 2, 3], [4, 5, 6, 7]), (8, 1, [0], [1, 2, 3, 4, 5, 6, 7])],
+)
+def test_vllm_takes_as_many_gpus_as_its_tensor_parallel_size(tmp_path, num_gpus, tensor_parallel, inference, trainer):
+    cfg = resolve(tmp_path, f'[inference]\nengine = "vllm"\nvllm.tensor_parallel_size = {tensor_parallel}\n')
+    devices = cfg.assign_devices(num_gpus)
+    assert (devices.inference, devices.trainer) == (inference, trainer)
+
+
+@pytest.mark.parametrize(
+    ("devices", "num_gpus", "inference", "trainer"),
+    [
+        ("trainer = [2, 3]", 4, [0], [2, 3]),  # the server gets the first GPU the trainer does not use
+        ("inference = [3]", 4, [3], [0, 1, 2]),  # the trainer gets every GPU the server does not use
+        ("inference = [0]\ntrainer = [0]", 1, [0], [0]),  # one shared GPU, stated explicitly
+        ("trainer = [0]", 1, [0], [0]),
+        ("trainer = []", 1, [0], []),  # trainer on the CPU, server on the GPU
+        ("inference = []", 2, [], [0, 1]),  # server on the CPU, trainer on both GPUs
+        ("inference = [1]\ntrainer = [4, 6]", 8, [1], [4, 6]),  # the others stay unused
+    ],
+)
+def test_one_list_set_gives_the_other_the_gpus_left(tmp_path, devices, num_gpus, inference, trainer):
+    cfg = resolve(tmp_path, f"[devices]\n{devices}\n")
+    assigned = cfg.assign_devices(num_gpus)
+    assert (assigned.inference, assigned.trainer) == (inference, trainer)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # several inference GPUs are for vLLM; the embedded engine serves from one
+        ("[devices]\ninference = [0, 1]\n", "hf engine serves from one GPU.*inference.engine = 'vllm'"),
+        ('[devices]\ninference = [0, 1]\n[inference]\nengine = "vllm"\nvllm.tensor_parallel_size = 1\n',
+         "tensor_parallel_size = 1, but devices.inference lists 2 GPU.*must match"),
+        ('[devices]\ninference = []\n[inference]\nengine = "vllm"\n', "vllm' needs a GPU.*on the CPU"),
+        # overlapping lists only as one shared GPU
+        ("[devices]\ninference = [0]\ntrainer = [0, 1]\n", r"share GPU\(s\) \[0\].*colocated"),
+        ('[devices]\ninference = [0, 1]\ntrainer = [1, 2]\n[inference]\nengine = "vllm"\n', r"share GPU\(s\) \[1\]"),
+        ("[devices]\ntrainer = [1, 1]\n", "lists a GPU twice"),
+        ("[devices]\ntrainer = [-1]\n", r"names GPU\(s\) \[-1\]"),
+    ],
+)
+def test_impossible_device_lists_fail_when_the_config_is_resolved(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    ("text", "num_gpus", "message"),
+    [
+        ('[inference]\nengine = "vllm"\n', 0, "vllm' needs a GPU, but this host has no GPU.*engine = 'hf'"),
+        ('[inference]\nengine = "vllm"\nvllm.tensor_parallel_size = 2\n', 1, "needs 2 GPUs.*this host has 1"),
+        ('[inference]\nengine = "vllm"\nvllm.tensor_parallel_size = 2\n', 2, "leaving none for the trainer"),
+        ("[devices]\ntrainer = [0, 1]\n", 2, "leaving none for the inference server.*devices.inference"),
+        ("[devices]\ninference = [0]\ntrainer = [1, 2]\n", 2, r"names GPU\(s\) \[2\], but this host has 2"),
+        ("[devices]\ninference = [0]\n", 0, r"names GPU\(s\) \[0\], but this host has no GPU"),
+    ],
+)
+def test_device_lists_the_host_cannot_satisfy_fail_at_assignment(tmp_path, text, num_gpus, message):
+    cfg = resolve(tmp_path, text)
+    with pytest.raises(ValueError, match=message):
+        cfg.assign_devices(num_gpus)
 
 
 def test_explicit_devices_set_the_trainer_world_size(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig
@@ -19,6 +19,16 @@ class VLLMSection(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory vLLM may claim")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model replica is sharded over")
     enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
+
+
+class BroadcastReceiverSection(Section):
+    """Where the trainer's weight group is (`weight_transfer = "broadcast"`). The trainer decides everything else
+    (backend, buckets); rl copies these from `trainer.weights.broadcast`."""
+
+    host: str = Field("127.0.0.1", description="address of trainer rank 0 (its weight store)")
+    port: int = Field(0, ge=0, le=65535, description="port of the trainer's weight store")
+    init_timeout_s: float = Field(600.0, gt=0, description="how long to keep trying to join after the engine started")
+    timeout_s: float = Field(120.0, gt=0, description="how long one handshake or collective may wait for the trainer")
 
 
 class InferenceConfig(ProcessConfig):
@@ -45,3 +55,17 @@ class InferenceConfig(ProcessConfig):
     seed: int = Field(0, description="seeds the per-request seeds drawn for requests that bring none")
     log_level: LogLevel = Field("info", description="debug | info | warning | error")
     vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")
+    weight_transfer: Literal["filesystem", "broadcast"] = Field(
+        "filesystem",
+        description="broadcast = join the trainer's weight group at start and apply every version it sends; "
+        "/admin/update_weights then confirms them (filesystem snapshots load as always)",
+    )
+    weight_broadcast: BroadcastReceiverSection = Field(
+        default_factory=BroadcastReceiverSection, description="the trainer's weight group (weight_transfer = broadcast)"
+    )
+
+    @model_validator(mode="after")
+    def _broadcast_needs_port(self) -> InferenceConfig:
+        if self.weight_transfer == "broadcast" and self.weight_broadcast.port == 0:
+            raise ValueError("weight_transfer = 'broadcast' needs weight_broadcast.port (the trainer's weight store)")
+        return self

@@ -7,18 +7,21 @@ into each process's config; the `[inference]`, `[orchestrator]` and `[trainer]` 
     max_steps = 20                          # -> orchestrator.max_steps, trainer.train.max_steps
     max_async_steps = 1                     # -> orchestrator.max_async_steps
     seq_len = 2048                          # -> orchestrator.batch.seq_len (the trainer reads it from each batch)
+    weight_transfer = "filesystem"          # -> trainer.weights.transfer, inference.weight_transfer
 
 A shared key cannot be set again inside a section (it is not a key of the section at all), so a run never has two
 models or two run directories. The launcher fills in what only it knows: the server's URL and admin token, the trainer's
-data-parallel size (from `devices`) and `--resume`.
+data-parallel size (from `devices`), `--resume`, and with `weight_transfer = "broadcast"` the weight group's port
+(a free one when `trainer.weights.broadcast.port` is 0) and receiver count, copied to the server as well.
 """
 
 from __future__ import annotations
 
 import copy
+import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import pydantic
 from pydantic import Field, create_model, model_validator
@@ -31,12 +34,17 @@ from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.trainer import TrainerConfig
 
 # Dotted keys of each process config that the rl config sets from its top level (or the launcher sets).
-INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file"}
+INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
 ORCHESTRATOR_SHARED = {
     "run_dir", "model", "served_model_name", "seed", "max_steps", "max_async_steps", "resume", "admin_token",
     "client.base_url", "batch.seq_len", "batch.num_ranks",
 }
-TRAINER_SHARED = {"run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume"}
+TRAINER_SHARED = {
+    "run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
+}
+# What `process_configs` puts in for `trainer.weights.broadcast.port = 0` when the caller names no port: validation
+# only needs some port, and must not hold one.
+_UNBOUND_PORT = 1
 
 
 def section_of(config: type[pydantic.BaseModel], exclude: set[str], name: str,
@@ -68,15 +76,24 @@ TrainerSection = section_of(TrainerConfig, TRAINER_SHARED, "TrainerSection")
 
 
 class DevicesSection(Section):
-    """Which GPUs each process gets (CUDA indices). Unset: no GPU -> everything on the CPU; one GPU -> inference and
-    trainer share it (colocated); several -> inference on GPU 0, the trainer on the others (one rank each)."""
+    """Which GPUs each process gets: indices into the host's GPUs (into CUDA_VISIBLE_DEVICES when that is set).
 
-    inference: list[int] | None = Field(None, description="GPUs of the inference server ([] = CPU)")
+    Unset: no GPU -> everything on the CPU; one GPU -> inference and trainer share it (colocated); several -> the
+    inference server on the first (the first `inference.vllm.tensor_parallel_size` with vLLM), the trainer on all
+    the others, one rank each. Setting one list gives the other the GPUs that are left. Several inference GPUs are
+    for vLLM (tensor parallel over them); the embedded hf engine serves from one. The two lists may only overlap as
+    one shared GPU."""
+
+    inference: list[int] | None = Field(
+        None, description="GPUs of the inference server ([] = CPU; several = vLLM tensor parallel)"
+    )
     trainer: list[int] | None = Field(None, description="GPUs of the trainer, one rank per GPU ([] = CPU, one rank)")
 
 
 @dataclass(frozen=True)
 class DeviceAssignment:
+    """The GPUs (indices into the host's GPUs) of the inference server and of the trainer; [] = the CPU."""
+
     inference: list[int]
     trainer: list[int]
 
@@ -86,6 +103,7 @@ class DeviceAssignment:
 
     @property
     def colocated(self) -> bool:
+        """Inference and trainer share one GPU (the only overlap `assign_devices` allows)."""
         return bool(set(self.inference) & set(self.trainer))
 
 
@@ -101,6 +119,11 @@ class RLConfig(ProcessConfig):
     )
     seq_len: int = Field(2048, ge=8, description="tokens per packed training row")
     resume: bool = Field(False, description="continue the run in output_dir from its newest checkpoints")
+    weight_transfer: Literal["filesystem", "broadcast"] = Field(
+        "filesystem",
+        description="how new weights reach inference: filesystem = full snapshots under weights/; broadcast = a "
+        "collective group from trainer rank 0 to the server (trainer.weights.broadcast sets it up)",
+    )
     devices: DevicesSection = Field(default_factory=DevicesSection, description="GPU assignment")
     inference: InferenceSection = Field(default_factory=InferenceSection, description="the inference server")
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection, description="the orchestrator")
@@ -110,28 +133,108 @@ class RLConfig(ProcessConfig):
     @model_validator(mode="after")
     def _processes_valid(self) -> RLConfig:
         # Building each process config runs its own validators (e.g. the trainer's schedule check) now, not later.
-        self.process_configs(DeviceAssignment([], []), base_url="http://127.0.0.1:0")
+        self.process_configs(DeviceAssignment([], []), base_url="http://127.0.0.1:0", broadcast_port=_UNBOUND_PORT)
+        return self
+
+    @model_validator(mode="after")
+    def _devices_valid(self) -> RLConfig:
+        # What can be checked without knowing the host's GPUs fails when the config is resolved, not at launch.
+        self._check_devices(self.devices.inference, self.devices.trainer)
         return self
 
     def assign_devices(self, num_gpus: int) -> DeviceAssignment:
-        """Resolve `devices` against the GPUs this host has."""
-        auto_inference, auto_trainer = ([], []) if num_gpus == 0 else ([0], [0]) if num_gpus == 1 else (
-            [0], list(range(1, num_gpus)))
-        inference = auto_inference if self.devices.inference is None else self.devices.inference
-        trainer = auto_trainer if self.devices.trainer is None else self.devices.trainer
+        """Resolve `devices` against the `num_gpus` GPUs this host has (rules: `DevicesSection`). ValueError, naming
+        the fix, for a layout that cannot work."""
+        inference, trainer = self.devices.inference, self.devices.trainer
+        if num_gpus == 0:
+            inference, trainer = inference or [], trainer or []
+        if inference is None:
+            inference = self._auto_inference(num_gpus, trainer)
+        if trainer is None:
+            left = [g for g in range(num_gpus) if g not in inference]
+            if not left and len(inference) > 1:
+                raise ValueError(f"the inference server takes every GPU ({inference}), leaving none for the trainer: "
+                                 "set devices.trainer ([] trains on the CPU) or give devices.inference fewer GPUs")
+            trainer = left or list(inference)  # one GPU only: the trainer shares it (colocated)
+        self._check_devices(inference, trainer, num_gpus)
+        return DeviceAssignment(list(inference), list(trainer))
+
+    def with_devices(self, devices: DeviceAssignment) -> RLConfig:
+        """This config with what the device assignment decides filled in before the process configs are built:
+        vLLM's `tensor_parallel_size` becomes the number of inference GPUs (an explicit one was checked equal)."""
+        if self.inference.engine != "vllm" or not devices.inference:
+            return self
+        vllm = self.inference.vllm.model_copy(update={"tensor_parallel_size": len(devices.inference)})
+        return self.model_copy(update={"inference": self.inference.model_copy(update={"vllm": vllm})})
+
+    def _auto_inference(self, num_gpus: int, trainer: list[int] | None) -> list[int]:
+        """The first GPUs the trainer does not use, as many as the engine takes; the trainer's one GPU if none."""
+        vllm = self.inference.vllm
+        wanted = vllm.tensor_parallel_size if self.inference.engine == "vllm" else 1
+        left = [g for g in range(num_gpus) if g not in (trainer or [])]
+        if len(left) >= wanted:
+            return left[:wanted]
+        if wanted == 1 and trainer is not None and len(trainer) == 1:
+            return list(trainer)
+        if wanted > 1:
+            have = f"this host has {num_gpus}" if trainer is None else (
+                f"{len(left)} of this host's {num_gpus} are not the trainer's")
+            raise ValueError(f"inference.vllm.tensor_parallel_size = {wanted} needs {wanted} GPUs for the server, but "
+                             f"{have}: lower tensor_parallel_size or give the trainer fewer GPUs")
+        raise ValueError(f"devices.trainer takes every GPU ({trainer}), leaving none for the inference server: set "
+                         "devices.inference ([] serves from the CPU) or give devices.trainer fewer GPUs")
+
+    def _check_devices(self, inference: list[int] | None, trainer: list[int] | None,
+                       num_gpus: int | None = None) -> None:
+        """ValueError for a device layout that cannot work; None = not known yet (skips the checks that need it)."""
         for role, ids in (("inference", inference), ("trainer", trainer)):
-            bad = [i for i in ids if not 0 <= i < num_gpus]
-            if bad:
-                raise ValueError(f"devices.{role} names GPU(s) {bad}, but this host has {num_gpus}")
+            if ids is None:
+                continue
             if len(set(ids)) != len(ids):
                 raise ValueError(f"devices.{role} lists a GPU twice: {ids}")
-        return DeviceAssignment(inference, trainer)
+            bad = [i for i in ids if i < 0 or (num_gpus is not None and i >= num_gpus)]
+            if bad:
+                have = "" if num_gpus is None else ", but this host has no GPU" if num_gpus == 0 else (
+                    f", but this host has {num_gpus} (indices 0 to {num_gpus - 1})")
+                raise ValueError(f"devices.{role} names GPU(s) {bad}{have}")
+        if inference is not None:
+            self._check_engine_devices(inference, explicit=self.devices.inference is not None)
+        if inference is not None and trainer is not None:
+            shared = sorted(set(inference) & set(trainer))
+            if shared and not (len(inference) == len(trainer) == 1):
+                raise ValueError(
+                    f"devices.inference {inference} and devices.trainer {trainer} share GPU(s) {shared}: inference "
+                    "and trainer can share a GPU only when each uses that one GPU alone (colocated: inference = [0], "
+                    "trainer = [0]); give them separate GPUs"
+                )
+
+    def _check_engine_devices(self, inference: list[int], explicit: bool) -> None:
+        engine, vllm = self.inference.engine, self.inference.vllm
+        if engine == "hf" and len(inference) > 1:
+            raise ValueError(
+                f"the embedded hf engine serves from one GPU, but devices.inference lists {len(inference)} "
+                f"({inference}): list one GPU, or set inference.engine = 'vllm' to shard the model over them "
+                "(tensor parallel)"
+            )
+        if engine != "vllm":
+            return
+        if not inference:
+            where = "devices.inference = [] puts the server on the CPU" if explicit else "this host has no GPU"
+            raise ValueError(f"inference.engine = 'vllm' needs a GPU, but {where}: use inference.engine = 'hf' for "
+                             "the CPU")
+        if "tensor_parallel_size" in vllm.model_fields_set and vllm.tensor_parallel_size != len(inference):
+            raise ValueError(
+                f"inference.vllm.tensor_parallel_size = {vllm.tensor_parallel_size}, but devices.inference lists "
+                f"{len(inference)} GPU(s) ({inference}): they must match (unset, tensor_parallel_size follows the "
+                "number of inference GPUs)"
+            )
 
     def process_configs(
-        self, devices: DeviceAssignment, base_url: str
+        self, devices: DeviceAssignment, base_url: str, broadcast_port: int | None = None
     ) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
         """The three process configs, with the shared keys and launcher facts filled in. Every field is passed
-        explicitly, so nothing from the environment leaks in."""
+        explicitly, so nothing from the environment leaks in. `broadcast_port` is the weight group's port when
+        `trainer.weights.broadcast.port` is 0 (None: a free port of this host, picked now)."""
         model = self.model.model_dump()
         inference = self.inference.model_dump()
         inference.update(model=model, seed=self.seed)
@@ -150,6 +253,7 @@ class RLConfig(ProcessConfig):
         trainer.update(run_dir=self.output_dir, model=model)
         trainer["train"].update(max_steps=self.max_steps, seed=self.seed)
         trainer["ckpt"]["resume"] = "latest" if self.resume else None
+        self._share_weight_transfer(inference, trainer, broadcast_port)
         token = FILE_LAYER.set({})  # the rl config's own files are being read now; they are not these processes'
         try:
             return InferenceConfig(**inference), OrchestratorConfig(**orchestrator), TrainerConfig(**trainer)
@@ -157,6 +261,27 @@ class RLConfig(ProcessConfig):
             raise ValueError(_one_line(e)) from None
         finally:
             FILE_LAYER.reset(token)
+
+
+    def _share_weight_transfer(self, inference: dict[str, Any], trainer: dict[str, Any],
+                               broadcast_port: int | None) -> None:
+        """`weight_transfer` into both processes; with broadcast, one port for the group and the server's receiver
+        count (one per vLLM tensor-parallel worker, one for the embedded engine) for the trainer."""
+        inference["weight_transfer"] = trainer["weights"]["transfer"] = self.weight_transfer
+        group = trainer["weights"]["broadcast"]
+        if self.weight_transfer != "broadcast":
+            group["receivers"] = 1
+            return
+        group["port"] = group["port"] or broadcast_port or _free_port(group["host"])
+        group["receivers"] = inference["vllm"]["tensor_parallel_size"] if inference["engine"] == "vllm" else 1
+        inference["weight_broadcast"] = {key: group[key] for key in ("host", "port", "init_timeout_s", "timeout_s")}
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def _one_line(error: pydantic.ValidationError) -> str:

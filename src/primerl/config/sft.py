@@ -55,4 +55,6 @@ class SFTConfig(ProcessConfig):
     @model_validator(mode="after")
     def _decay_needs_length(self) -> SFTConfig:
         check_schedule(self.scheduler, self.train)
+        if self.weights.transfer != "filesystem":
+            raise ValueError("SFT writes its weights to the filesystem: weights.transfer must be 'filesystem'")
         return self

@@ -80,6 +80,21 @@ class CheckpointConfig(Section):
     save_at_end: bool = Field(True, description="save a checkpoint after the last step")
 
 
+class BroadcastConfig(Section):
+    """The weight group of `transfer = "broadcast"`: trainer rank 0 hosts a TCP store at host:port, the inference
+    receivers join, and each new policy version is broadcast to them in buckets (docs/weights.md)."""
+
+    host: str = Field("127.0.0.1", description="address of trainer rank 0 that the receivers connect to")
+    port: int = Field(0, ge=0, le=65535, description="TCP port of the weight store (rl picks a free one when 0)")
+    receivers: int = Field(1, ge=1, description="receiver ranks: 1 per embedded engine, tensor_parallel_size per vLLM")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="auto = nccl when every member is on its own GPU, else gloo"
+    )
+    bucket_mb: int = Field(512, ge=1, description="largest bucket in MiB (a bigger tensor travels alone)")
+    init_timeout_s: float = Field(600.0, gt=0, description="how long to wait for the receivers to join at start")
+    timeout_s: float = Field(120.0, gt=0, description="how long one handshake or collective may wait for a peer")
+
+
 class WeightsConfig(Section):
     """Weight snapshots for inference under `<run>/weights/step_<k>/` (STABLE marker last)."""
 
@@ -88,6 +103,19 @@ class WeightsConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the exported tensors; auto = the compute dtype"
     )
+    transfer: Literal["filesystem", "broadcast"] = Field(
+        "filesystem",
+        description="filesystem = full snapshots on disk; broadcast = send each version to inference over a "
+        "collective group and publish a BROADCAST marker (the last step is still written in full)",
+    )
+    broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig, description="the weight group (broadcast)")
+
+    @model_validator(mode="after")
+    def _broadcast_needs_port(self) -> WeightsConfig:
+        if self.transfer == "broadcast" and self.broadcast.port == 0:
+            raise ValueError("weights.transfer = 'broadcast' needs weights.broadcast.port (the port inference "
+                             "connects to; rl picks one itself)")
+        return self
 
 
 class LossConfig(Section):

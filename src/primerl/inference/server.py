@@ -66,6 +66,7 @@ from primerl.inference.protocol import (
     Usage,
     context_length_error,
 )
+from primerl.transport import weights as weight_snapshots
 
 log = logging.getLogger("primerl.inference")
 
@@ -376,6 +377,20 @@ class InferenceServer:
         path = Path(req.path)
         if not path.exists():
             raise APIError(400, f"no weights at {req.path}", param="path", code="weights_not_found")
+        marker = weight_snapshots.broadcast_marker(path) if path.is_dir() else None
+        if marker is not None and self.engine.policy_version >= req.step:
+            # the trainer publishes a broadcast marker only after every receiver applied it: confirm, load nothing
+            log.info("weights: step %d is live (received by broadcast %s)", req.step, marker.get("transfer_id"))
+            return self.admin_state()
+        if marker is not None and not weight_snapshots.has_files(path):
+            raise APIError(
+                400,
+                f"weights step {req.step} were broadcast to the trainer's weight group and this server does not hold "
+                f"them (it serves policy version {self.engine.policy_version}; weight receiver: "
+                f"{self.engine.receiver_state}); load a full snapshot instead",
+                param="path",
+                code="weights_not_received",
+            )
         async with self._admin_lock:
             started = time.perf_counter()
             try:
@@ -434,6 +449,8 @@ def create_app(engine: Engine, cfg: InferenceConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         log.info("serving %s on http://%s:%d", describe_engine(engine), cfg.host, cfg.port)
+        if cfg.weight_transfer == "broadcast":
+            await engine.start_weight_receiver(cfg.weight_broadcast)
         try:
             yield
         finally:

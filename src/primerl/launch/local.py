@@ -24,7 +24,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,13 @@ import tomli_w
 
 from primerl.config import config_from_argv
 from primerl.config.rl import DeviceAssignment, RLConfig
-from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
+from primerl.launch.processes import (
+    ManagedProcess,
+    child_environment,
+    primerl_command,
+    stop_all,
+    torchrun_command,
+)
 from primerl.monitor import METRICS_FILE, format_line
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
@@ -188,11 +194,40 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
+def describe_devices(devices: DeviceAssignment, gpus: Sequence[str], engine: str = "hf") -> str:
+    """Which GPUs each process got, named as in the CUDA_VISIBLE_DEVICES it is given (one console line)."""
+
+    def where(ids: list[int]) -> str:
+        return "CPU" if not ids else ("GPU " if len(ids) == 1 else "GPUs ") + ",".join(gpus[i] for i in ids)
+
+    inference = where(devices.inference)
+    if engine == "vllm" and len(devices.inference) > 1:
+        inference += f" (vLLM tensor parallel {len(devices.inference)})"
+    trainer = where(devices.trainer) + (" (shared with inference)" if devices.colocated else "")
+    ranks = devices.trainer_ranks
+    trainer += f", {ranks} ranks under torchrun" if ranks > 1 else ", 1 rank"
+    parts = [f"inference {inference}", f"trainer {trainer}", "orchestrator CPU"]
+    unused = [i for i in range(len(gpus)) if i not in devices.inference and i not in devices.trainer]
+    if unused:
+        parts.append(f"unused {where(unused)}")
+    return "devices: " + " | ".join(parts)
+
+
+def trainer_command(config_path: Path, num_ranks: int) -> list[str]:
+    """`primerl trainer @ config`, under torchrun (one process per rank on this host) when there are several ranks."""
+    args = ["trainer", "@", str(config_path)]
+    if num_ranks == 1:
+        return primerl_command(*args)
+    return torchrun_command(num_ranks, ["-m", "primerl.cli", *args])
+
+
 def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpus: list[str]) -> list[ManagedProcess]:
-    """Write the three process configs and return their (not yet started) processes."""
+    """Write the three process configs and return their (not yet started) processes: each with its command line, log
+    file and environment (its GPUs in CUDA_VISIBLE_DEVICES, NVLink multicast off, the admin token where needed)."""
     host = cfg.inference.host
     port = cfg.inference.port or free_port(host)
     url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    cfg = cfg.with_devices(devices)
     inference, orchestrator, trainer = cfg.process_configs(devices, base_url=f"http://{url_host}:{port}")
     inference.port = port
     config_dir = run_dir / "config"
@@ -210,16 +245,13 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
             extra[ADMIN_TOKEN_VAR] = token
         return child_environment(extra)
 
-    trainer_cmd = primerl_command("trainer", "@", str(config_dir / "trainer.toml"))
-    if devices.trainer_ranks > 1:
-        trainer_cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                       f"--nproc-per-node={devices.trainer_ranks}", "-m", "primerl.cli", *trainer_cmd[3:]]
     return [
         ManagedProcess("inference", primerl_command("inference", "@", str(config_dir / "inference.toml")),
                        logs / "inference.log", env(devices.inference, with_token=True)),
         ManagedProcess("orchestrator", primerl_command("orchestrator", "@", str(config_dir / "orchestrator.toml")),
                        logs / "orchestrator.log", env([], with_token=True)),
-        ManagedProcess("trainer", trainer_cmd, logs / "trainer.log", env(devices.trainer, with_token=False)),
+        ManagedProcess("trainer", trainer_command(config_dir / "trainer.toml", devices.trainer_ranks),
+                       logs / "trainer.log", env(devices.trainer, with_token=False)),
     ]
 
 
@@ -246,10 +278,9 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         print(f"rl: {e}", file=sys.stderr)
         return 2
 
-    where = "CPU" if not gpus else (f"inference GPU {devices.inference or 'none'}, trainer GPU {devices.trainer or 'none'}"
-                                    + (" (colocated)" if devices.colocated else ""))
     print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
-          f"{cfg.max_async_steps} | {where} | logs in {run_dir / 'logs'}", file=stream, flush=True)
+          f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
+    print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
     first_step = _trained_steps(run_dir) if cfg.resume else 0
     console = Console(run_dir, cfg.max_steps, first_step, stream)
     in_main_thread = threading.current_thread() is threading.main_thread()

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primerl.multicast import multicast_off
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -33,12 +35,29 @@ def primerl_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "primerl.cli", *args]
 
 
+def torchrun_command(num_ranks: int, program: Sequence[str]) -> list[str]:
+    """torchrun starting `num_ranks` processes of `program` (e.g. `["-m", "primerl.cli", "trainer", ...]`) on this host.
+
+    `--standalone` puts the rendezvous store on a free port (runs side by side on one host never collide) and the
+    ranks' process group bootstraps from that store; with no restarts, a rank that fails makes torchrun stop the
+    other ranks and exit non-zero."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_ranks}",
+            "--max-restarts=0", *program]
+
+
+# PRIMERL_* variables that are not config keys: where models are cached and prepared, which image a run is in. Every
+# child keeps them.
+NON_CONFIG_VARS = ("PRIMERL_CACHE", "PRIMERL_MODEL_DIRS", "PRIMERL_IMAGE_ID")
+
+
 def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars: Iterable[str] = ()) -> dict[str, str]:
-    """This process's environment without PRIMERL_* variables (children get complete config files instead, so the
-    variables already took effect here) except `keep_primerl_vars`, plus `extra`."""
-    keep = set(keep_primerl_vars)
+    """This process's environment without PRIMERL_* config variables (children get complete config files instead, so
+    the variables already took effect here) except `keep_primerl_vars` and `NON_CONFIG_VARS`, plus `extra`; NVLink
+    multicast off unless this environment says otherwise (`primerl.multicast`)."""
+    keep = {*keep_primerl_vars, *NON_CONFIG_VARS}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_") or k in keep}
     env["PYTHONUNBUFFERED"] = "1"
+    multicast_off(env)
     env.update(extra or {})
     return env
 

@@ -37,8 +37,7 @@ from primerl.trainer.loss import LossOutput
 from primerl.trainer.metrics import attention_shape, peak_flops, peak_memory_gib, step_flops
 from primerl.trainer.model import Policy, PolicyOutput, build_policy, count_matmul_params
 from primerl.trainer.optim import build_optimizer, build_scheduler
-from primerl.trainer.weights import export_weights
-from primerl.transport import weights as weight_transport
+from primerl.trainer.weights import WeightPublisher
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +120,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
+    publisher: WeightPublisher
     metrics: MetricsLogger
 
     def __init__(self, parts: TrainerParts, source: str):
@@ -140,6 +140,10 @@ class Trainer:
         self.attention_shape = attention_shape(config)
         self.peak_flops = peak_flops(self.device, parts.train.peak_flops)
         self._log_setup()
+        # last: with the broadcast transfer this waits for the inference receivers to join
+        self.publisher = WeightPublisher(
+            parts.weights, self.policy, self.tokenizer, parts.run_dir, self.export_dtype, self.dist, self.device
+        )
 
     def _log_setup(self) -> None:
         p = self.parts
@@ -169,11 +173,14 @@ class Trainer:
     def resume(self) -> tuple[int, dict[str, Any]]:
         """Load the checkpoint chosen by `ckpt.resume`; return (completed steps, data position) — (0, {}) if none."""
         step = self.checkpointer.resume_step()
-        if step is None:
-            return 0, {}
-        progress = self.checkpointer.load(step, self.policy, self.optimizer, self.scheduler)
-        log.info("resumed from %s (step %d)", self.checkpointer.path(step), step)
-        return step, progress.get("data", {})
+        data: dict[str, Any] = {}
+        if step is not None:
+            progress = self.checkpointer.load(step, self.policy, self.optimizer, self.scheduler)
+            log.info("resumed from %s (step %d)", self.checkpointer.path(step), step)
+            data = progress.get("data", {})
+        if self.parts.ckpt.resume is not None:
+            self.publisher.resumed(step or 0)  # after the load: it may write these weights
+        return step or 0, data
 
     def forward(self, mb: MicroBatch, temperature: float) -> PolicyOutput:
         with self.policy.autocast(self.device):
@@ -243,16 +250,13 @@ class Trainer:
         return float(norm)
 
     def finish_step(self, step: int, metrics: dict[str, Any], data_state: dict[str, Any], is_last: bool) -> None:
-        """After `step` completed optimizer steps: export weights, checkpoint, log (in that order, so the exported
-        weights' latency is in this step's metrics)."""
+        """After `step` completed optimizer steps: publish weights, checkpoint, log (in that order, so the weights'
+        latency is in this step's metrics)."""
         w = self.parts.weights
+        checkpoint_due = self.checkpointer.due(step, is_last)
         if (w.interval is not None and step % w.interval == 0) or is_last:
-            start = time.perf_counter()
-            export_weights(self.policy, self.tokenizer, self.parts.run_dir, step, self.export_dtype, self.dist)
-            if self.dist.is_main and w.keep_last is not None:
-                weight_transport.prune(self.parts.run_dir, w.keep_last)
-            metrics["weights_export_s"] = time.perf_counter() - start
-        if self.checkpointer.due(step, is_last):
+            metrics.update(self.publisher.publish(step, is_last, also_full=checkpoint_due))
+        if checkpoint_due:
             start = time.perf_counter()
             self.checkpointer.save(step, self.policy, self.optimizer, self.scheduler, data_state)
             metrics["checkpoint_s"] = time.perf_counter() - start
@@ -261,6 +265,7 @@ class Trainer:
             log.info(format_line(step, record, CONSOLE_KEYS))
 
     def close(self) -> None:
+        self.publisher.close()
         tdist.teardown()
 
 

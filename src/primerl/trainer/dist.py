@@ -1,4 +1,10 @@
-"""Process-group setup for torchrun launches: gloo on CPU, NCCL on GPU; a single process needs no group at all."""
+"""Process-group setup for torchrun launches: gloo on CPU, NCCL on GPU; a single process needs no group at all.
+
+On GPU, rank r of a host uses CUDA device `LOCAL_RANK` of the devices it sees (the `rl` launcher hands the trainer
+its GPUs in CUDA_VISIBLE_DEVICES, so local rank r gets the r-th of them), binds it before the process group starts
+(`device_id`: NCCL communicators are created eagerly on that device), and NVLink multicast stays off
+(`primerl.multicast`) unless the environment sets it.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from primerl.multicast import multicast_off
 
 
 @dataclass(frozen=True)
@@ -32,8 +40,15 @@ def setup(device_choice: str) -> tuple[DistInfo, torch.device]:
     if use_cuda:
         if not torch.cuda.is_available():
             raise RuntimeError("train.device = 'cuda' but no CUDA device is visible")
+        visible = torch.cuda.device_count()
+        if info.local_rank >= visible:
+            raise RuntimeError(
+                f"local rank {info.local_rank} has no GPU of its own: {visible} visible (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}) for more ranks per host; start one rank per GPU"
+            )
         torch.cuda.set_device(info.local_rank)
         device = torch.device("cuda", info.local_rank)
+        multicast_off(os.environ)  # before any NCCL communicator exists (FSDP's, or a weight broadcast's)
     else:
         device = torch.device("cpu")
     if info.world_size > 1 and not dist.is_initialized():

@@ -333,7 +333,7 @@ def build_policy(
         for layer in policy.decoder_layers:
             layer.compile()
     if dist.world_size > 1:
-        shard_policy(policy, compute_dtype)
+        shard_policy(policy, compute_dtype, device, dist.world_size)
     else:
         policy.to(device)
     return policy, tokenizer
@@ -349,16 +349,21 @@ def _add_lora(lm: nn.Module, cfg: LoraConfig, seed: int) -> nn.Module:
     return peft.get_peft_model(lm, config)
 
 
-def shard_policy(policy: Policy, compute_dtype: torch.dtype) -> None:
-    """FSDP2: one unit per decoder layer, the rest (embeddings, final norm, head) in the root unit."""
+def shard_policy(policy: Policy, compute_dtype: torch.dtype, device: torch.device, world_size: int) -> None:
+    """FSDP2 over all `world_size` ranks on `device`'s type (the mesh is explicit, so a CPU run on a GPU host stays
+    on the CPU): one unit per decoder layer, the rest (embeddings, final norm, head) in the root unit; parameters move
+    to `device` as they are sharded. Gathered in `compute_dtype`, gradients reduce-scattered in float32 (averaged
+    over ranks: `Trainer.step` scales the loss by the world size to make that a sum)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layers = policy.decoder_layers
     for i, layer in enumerate(layers):
         # the last layer's parameters are needed again at once in backward: keep them gathered
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
-    fully_shard(policy, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     policy._fsdp_casts = compute_dtype != torch.float32
 
 

@@ -7,6 +7,11 @@ Contract:
 - A snapshot is complete when its `STABLE` marker exists. The writer builds the directory under a temporary name,
   renames it to `step_<k>`, then writes `STABLE` (itself temp + rename): a reader that sees `STABLE` sees every file.
 - `STABLE` holds JSON: {"step", "written_at" (unix seconds), "num_bytes"}.
+- With the broadcast transfer (primerl.transport.broadcast) a snapshot may instead be a marker: `BROADCAST` (JSON:
+  {"step", "transfer_id", "backend", "receivers", "seconds", "num_tensors", "num_bytes", "num_buckets", "dtypes"})
+  and `STABLE`, published only after every receiver confirmed it applied version k. A directory may hold both the
+  marker and the full files (steps the trainer also writes in full); readers that are not broadcast receivers load
+  the files and treat a marker-only directory as "not on disk".
 
 Torch-free, so the inference server and the orchestrator can use the readers.
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 
 WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
+BROADCAST = "BROADCAST"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
@@ -50,6 +56,22 @@ def latest_stable(run_dir: str | os.PathLike) -> tuple[int, Path] | None:
     """The newest complete snapshot as (step, path), or None."""
     steps = stable_steps(run_dir)
     return (steps[-1], weights_dir(run_dir, steps[-1])) if steps else None
+
+
+def has_files(path: str | os.PathLike) -> bool:
+    """Whether the snapshot holds the weights themselves (safetensors), not only a broadcast marker."""
+    return any(Path(path).glob("*.safetensors"))
+
+
+def broadcast_marker(path: str | os.PathLike) -> dict | None:
+    """The `BROADCAST` marker of a snapshot (its JSON), or None when the snapshot was not broadcast."""
+    marker = Path(path) / BROADCAST
+    return json.loads(marker.read_text()) if marker.is_file() else None
+
+
+def write_broadcast_marker(staged: Path, info: dict) -> None:
+    """Put the `BROADCAST` marker into a staging directory (before `publish`)."""
+    (staged / BROADCAST).write_text(json.dumps(info, sort_keys=True))
 
 
 def wait_for_weights(
@@ -97,6 +119,18 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
     for step in doomed:
         path = weights_dir(run_dir, step)
         (path / STABLE).unlink(missing_ok=True)  # readers stop trusting it before the files go
+        shutil.rmtree(path, ignore_errors=True)
+    return doomed
+
+
+def remove_after(run_dir: str | os.PathLike, step: int) -> list[int]:
+    """Delete every snapshot newer than `step` (a resumed trainer will publish those steps again); return them."""
+    root = Path(run_dir) / WEIGHTS_DIR
+    doomed = sorted(int(m.group(1)) for e in (root.iterdir() if root.is_dir() else [])
+                    if (m := _STEP_DIR.match(e.name)) and int(m.group(1)) > step)
+    for newer in doomed:
+        path = weights_dir(run_dir, newer)
+        (path / STABLE).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return doomed
 

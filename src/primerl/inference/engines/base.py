@@ -22,6 +22,9 @@ Semantics every engine keeps:
   `generate` before anything is yielded.
 - `update_weights` applies new weights between two decode steps; requests in flight continue under them and their
   tokens carry the new `policy_version` (= the `step` passed).
+- `start_weight_receiver` (engines that support the broadcast transfer) joins the trainer's weight group in the
+  background and applies every version the trainer sends the same way, setting `policy_version` to its step before
+  confirming it to the trainer; `receiver_state` says how that is going (for messages).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from primerl.config.inference import BroadcastReceiverSection
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -86,6 +91,7 @@ class Engine(ABC):
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     policy_version: int = 0
+    receiver_state: str = "off"  # the weight broadcast receiver: off, joining ..., rank r of n, failed: ..., closed: ...
 
     @abstractmethod
     async def start(self) -> None:
@@ -111,6 +117,12 @@ class Engine(ABC):
         """Load safetensors weights (`model.safetensors` or sharded `*.safetensors` in directory `path`) in place,
         between two decode steps, and set `policy_version = step`. Returns once the new weights are live.
         Raises (and keeps the old weights) if a tensor is missing or has the wrong shape."""
+
+    async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
+        """Start joining the trainer's weight group (primerl.transport.broadcast) in the background and apply each
+        version it sends, between decode steps, until the group closes or the engine stops. Returns at once; a group
+        that cannot form is logged and leaves the engine serving (filesystem updates keep working)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot receive weight broadcasts")
 
     @abstractmethod
     async def pause(self) -> None:

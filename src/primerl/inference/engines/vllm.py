@@ -11,16 +11,25 @@ How the contract maps onto vLLM:
 - logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, so the logprob of a sampled token is taken
   from the distribution it was sampled from (after temperature, top-k, top-p), as `base` requires.
 - weight updates: pause (requests stay queued, mode "keep"), load the safetensors files on every worker through
-  `WeightLoaderExtension.primerl_load_weights` (the model's own `load_weights` maps checkpoint names onto vLLM's fused
+  `WorkerExtension.primerl_load_weights` (the model's own `load_weights` maps checkpoint names onto vLLM's fused
   parameters), drop the prefix cache (its KV entries came from the old weights), set the policy version, resume.
   Tokens are stamped with the policy version current when their output reaches this process, so a token sampled
   just before a pause may carry the new version.
+- weight broadcast (`start_weight_receiver`, docs/weights.md): every worker is one receiver rank of the trainer's
+  weight group (`primerl_broadcast_join`, joining in a background thread of the worker). This process follows the
+  trainer's announcements through the store (`TransferFeed`); for each it pauses, has every worker receive the
+  buckets straight into its model (`primerl_broadcast_receive`: `load_weights` over the received tensors, bucket by
+  bucket, no second copy of the model), drops the prefix cache, sets the policy version, confirms to the trainer
+  for all its ranks and resumes. A worker that fails mid-transfer leaves the model partly updated; the trainer
+  then falls back to writing that version in full, which the orchestrator loads over it.
+  UNTESTED like the rest of this module (no vLLM, no GPU where the tests run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,15 +38,20 @@ from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams
 
 if TYPE_CHECKING:
     from primerl.config.common import ModelConfig
-    from primerl.config.inference import VLLMSection
+    from primerl.config.inference import BroadcastReceiverSection, VLLMSection
+    from primerl.transport.broadcast import Transfer, TransferFeed
+
+log = logging.getLogger("primerl.inference")
 
 
 class EngineUnavailable(RuntimeError):
     """The engine's package is not installed; the message says how to get it."""
 
 
-class WeightLoaderExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`): loads a weights directory into the running model."""
+class WorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`), called through `collective_rpc` on every worker:
+    `primerl_load_weights` loads a weights directory into the running model; `primerl_broadcast_join` and
+    `primerl_broadcast_receive` make the worker one receiver rank of the trainer's weight group."""
 
     def primerl_load_weights(self, path: str) -> int:
         from safetensors.torch import safe_open
@@ -54,6 +68,54 @@ class WeightLoaderExtension:
 
         loaded = self.model_runner.get_model().load_weights(weights=tensors())  # type: ignore[attr-defined]
         return len(loaded) if loaded is not None else 0
+
+    def primerl_broadcast_join(self, host: str, port: int, init_timeout_s: float, timeout_s: float) -> None:
+        """Start joining the weight group as a receiver on this worker's GPU; returns at once (the join waits for
+        the trainer, up to `init_timeout_s`, in a background thread so the worker keeps serving)."""
+        import threading
+
+        import torch
+
+        from primerl.transport.broadcast import BroadcastReceiver
+
+        receiver = BroadcastReceiver(host, port, device=torch.device("cuda", torch.cuda.current_device()),
+                                     init_timeout_s=init_timeout_s, timeout_s=timeout_s)
+        joined = threading.Event()
+        self._primerl_receiver, self._primerl_joined, self._primerl_join_error = receiver, joined, None
+
+        def join() -> None:
+            try:
+                receiver.join()
+            except Exception as e:  # noqa: BLE001 - reported by primerl_broadcast_receive
+                self._primerl_join_error = str(e)
+            finally:
+                joined.set()
+
+        threading.Thread(target=join, name="primerl-weights-join", daemon=True).start()
+
+    def primerl_broadcast_receive(self, transfer: dict[str, Any]) -> dict[str, Any]:
+        """Receive one announced transfer (the engine is paused) into the model in place, bucket by bucket. Never
+        raises: returns {"rank", "error", "seconds", "num_bytes"} so the engine can confirm for every rank."""
+        import time
+
+        from primerl.transport.broadcast import Transfer
+
+        receiver = getattr(self, "_primerl_receiver", None)
+        if receiver is None:
+            return {"rank": None, "error": "primerl_broadcast_join was not called", "seconds": 0.0, "num_bytes": 0}
+        self._primerl_joined.wait(receiver.feed.init_timeout_s)
+        if receiver.rank is None:
+            error = self._primerl_join_error or "not joined to the weight group yet"
+            return {"rank": None, "error": error, "seconds": 0.0, "num_bytes": 0}
+        announced = Transfer.from_dict(transfer)
+        started = time.perf_counter()
+        try:
+            self.model_runner.get_model().load_weights(weights=receiver.receive(announced))  # type: ignore[attr-defined]
+        except Exception as e:  # noqa: BLE001 - returned to the engine, which tells the trainer
+            return {"rank": receiver.rank, "error": str(e).splitlines()[0] or type(e).__name__,
+                    "seconds": time.perf_counter() - started, "num_bytes": 0}
+        return {"rank": receiver.rank, "error": None, "seconds": time.perf_counter() - started,
+                "num_bytes": announced.manifest.num_bytes}
 
 
 class VLLMEngine(Engine):
@@ -83,6 +145,7 @@ class VLLMEngine(Engine):
         self.dtype = model.dtype
         self._llm: Any = None
         self._paused_by_admin = False  # an admin pause outlives a weight update
+        self._receiver_task: asyncio.Task | None = None
 
     async def start(self) -> None:
         from transformers import AutoTokenizer
@@ -103,7 +166,7 @@ class VLLMEngine(Engine):
             tensor_parallel_size=self.options.tensor_parallel_size,
             enforce_eager=self.options.enforce_eager,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.{WeightLoaderExtension.__qualname__}",
+            worker_extension_cls=f"{__name__}.{WorkerExtension.__qualname__}",
         )
         self._llm = AsyncLLM.from_engine_args(args)
         self.max_model_len = self._llm.model_config.max_model_len
@@ -112,6 +175,10 @@ class VLLMEngine(Engine):
         self.eos_token_ids = _eos_token_ids(self._llm.model_config.hf_config, path, self.tokenizer)
 
     async def stop(self) -> None:
+        if self._receiver_task is not None:
+            self._receiver_task.cancel()
+            await asyncio.gather(self._receiver_task, return_exceptions=True)
+            self._receiver_task = None
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -178,6 +245,64 @@ class VLLMEngine(Engine):
         finally:
             if not self._paused_by_admin:
                 await self._llm.resume_generation()
+
+    async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
+        from primerl.transport.broadcast import TransferFeed
+
+        await self._llm.collective_rpc(
+            "primerl_broadcast_join", args=(settings.host, settings.port, settings.init_timeout_s, settings.timeout_s)
+        )
+        feed = TransferFeed(settings.host, settings.port, init_timeout_s=settings.init_timeout_s,
+                            timeout_s=settings.timeout_s)
+        self.receiver_state = f"joining the weight group at {settings.host}:{settings.port}"
+        self._receiver_task = asyncio.create_task(self._follow_broadcasts(feed), name="weight-receiver")
+
+    async def _follow_broadcasts(self, feed: TransferFeed) -> None:
+        from primerl.transport.broadcast import GroupClosed, GroupFormationError
+
+        try:
+            await asyncio.to_thread(feed.connect)
+            self.receiver_state = f"following the weight group at {feed.host}:{feed.port}"
+            while True:
+                transfer = await asyncio.to_thread(feed.next_transfer, 0.5)
+                if transfer is not None:
+                    await self._receive(feed, transfer)
+        except GroupFormationError as e:
+            self.receiver_state = f"failed: {e}"
+            log.warning("weight broadcast: not joined, only filesystem snapshots can be loaded: %s", e)
+        except GroupClosed as e:
+            self.receiver_state = f"closed: {e}"
+            log.info("weight broadcast: the group is closed (%s)", e)
+        finally:
+            feed.close()
+
+    async def _receive(self, feed: TransferFeed, transfer: Transfer) -> None:
+        import time
+
+        started = time.perf_counter()
+        results: list[dict[str, Any]] = []
+        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            results = await self._llm.collective_rpc("primerl_broadcast_receive", args=(transfer.to_dict(),))
+            errors = [r["error"] for r in results if r["error"]]
+            if not errors:
+                await self._llm.reset_prefix_cache()
+                self.policy_version = transfer.step
+        except Exception as e:  # noqa: BLE001 - a worker died: no confirmation, the trainer times out and falls back
+            errors = [f"collective_rpc failed: {e}"]
+        finally:
+            if not self._paused_by_admin:
+                await self._llm.resume_generation()
+        for result in results:
+            if result["rank"] is not None:
+                feed.answer(transfer, "done", result["rank"], result["error"])
+        if errors:
+            log.warning("weights step %d: broadcast not applied: %s", transfer.step, "; ".join(errors))
+            return
+        manifest = transfer.manifest
+        log.info("weights: received step %d by broadcast on %d worker(s): %.1f MB in %d bucket(s) in %.2fs",
+                 transfer.step, len(results), manifest.num_bytes / 1e6, len(manifest.buckets),
+                 time.perf_counter() - started)
 
     async def pause(self) -> None:
         self._paused_by_admin = True
