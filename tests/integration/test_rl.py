@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 
@@ -110,27 +111,35 @@ def test_rl_with_the_weight_broadcast(tmp_path):
 
 def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
     run = tmp_path / "run"
-    overrides = ("--max_steps=4", "--weight_transfer=broadcast", "--trainer.ckpt.interval=2")
+    steps = 10  # far more than are trained before the kill, so the run is always cut short
+    overrides = (f"--max_steps={steps}", "--weight_transfer=broadcast", "--trainer.ckpt.interval=3")
     proc = start_rl(run, *overrides)
-    wait_for(lambda: len(records(run, "trainer")) >= 3 and (run / "checkpoints" / "step_2" / "trainer").is_dir(),
-             timeout=400, what="three trained steps", proc=proc)
+    wait_for(lambda: len(records(run, "trainer")) >= 4 and (run / "checkpoints" / "step_3" / "trainer").is_dir(),
+             timeout=400, what="four trained steps", proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
-    assert broadcast_marker(weights_dir(run, 3)) is not None  # version 3 lived only in the dead server
+    before = {step: broadcast_marker(weights_dir(run, step)) for step in stable_steps(run)}
 
     result = run_rl(run, *overrides, "--resume")
     assert result.returncode == 0, result.stdout + result.stderr
     trainer_log = (run / "logs" / "trainer.log").read_text()
-    assert "resumed from" in trainer_log and "removed weight snapshots [3]" in trainer_log
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", trainer_log)
+    assert resumed, trainer_log[-3000:]
+    checkpoint = int(resumed.group(1))
+    # The versions trained after that checkpoint were published, some only as markers (they lived in the dead server):
+    # the resumed trainer removes them all before it trains those steps again.
+    stale = [step for step in before if step > checkpoint]
+    assert stale and any(before[step] is not None for step in stale), (checkpoint, before)
+    assert f"removed weight snapshots {stale}" in trainer_log
     inference_log = (run / "logs" / "inference.log").read_text()
-    # The new server starts at version 0 and catches up either from the full step-2 snapshot on disk (when the
-    # orchestrator polls after the trainer removed the stale step-3 marker) or straight from step 3, trained again and
-    # sent through the new group: which comes first depends on who polls first after the restart. Either way version 3
-    # arrives through the new group, and no batch breaks the async bound (step n sampled by policy >= n - 1).
+    # The new server starts at version 0 and catches up either from the checkpoint's full snapshot on disk (when the
+    # orchestrator polls after the trainer removed the stale markers) or straight from the next version, trained again
+    # and sent through the new group: which comes first depends on who polls first after the restart. Either way that
+    # version arrives through the new group, and no batch breaks the async bound (step n sampled by policy >= n - 1).
     restarted = inference_log.split("joined weight group")[-1]
-    assert "received step 3 by broadcast" in restarted, restarted[-3000:]
-    for step in range(4):
+    assert f"received step {checkpoint + 1} by broadcast" in restarted, restarted[-3000:]
+    for step in range(steps):
         assert min(first for first, _ in versions(run, step)) >= step - 1, (step, versions(run, step))
-    assert stable_steps(run)[-1] == 4 and has_files(weights_dir(run, 4))
+    assert stable_steps(run)[-1] == steps and has_files(weights_dir(run, steps))
     assert records(run, "trainer")[-1]["weight_transfer"] == "broadcast"
