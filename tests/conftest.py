@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
+
+from primerl.ports import free_port
 
 
 @pytest.fixture(scope="session")
@@ -20,12 +21,6 @@ def smollm2_dir() -> Path:
     from primerl.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from primerl.ports import free_port
 from primerl.recipes.schema import Recipe, RecipeError, load_recipe, stage_values, validate_stage
 
 Status = Literal["passed", "failed", "skipped"]
@@ -268,7 +269,7 @@ def check_inference(ctx: Context) -> str:
     ctx.require_runnable_here()
     config_file = ctx.log_dir / "inference.toml"
     config_file.write_text(_inference_config(ctx))
-    port = _free_port()
+    port = free_port()
     server = ManagedProcess("inference", primerl_command("inference", "@", str(config_file), "--port", str(port)),
                             ctx.log_dir / "inference.log", env=child_environment())
     base = f"http://127.0.0.1:{port}"
@@ -402,12 +403,6 @@ def _port_free(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inference_config(ctx: Context) -> str:

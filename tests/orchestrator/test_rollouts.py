@@ -5,7 +5,6 @@ noise, so rewards are only checked for range.)"""
 from __future__ import annotations
 
 import asyncio
-import socket
 import subprocess
 import sys
 import time
@@ -26,18 +25,13 @@ from primerl.orchestrator.rollouts import (
     samples_from_episode,
     train_client,
 )
+from primerl.ports import free_port
 
 pytestmark = pytest.mark.integration
 MAX_TOKENS = 12
 SAMPLING = vf.SamplingConfig(temperature=1.0, max_tokens=MAX_TOKENS)
 # ChatML chat template without a model-specific renderer: Hermes-style tool-call parsing makes tools renderable.
 RENDERER = DefaultRendererConfig(tool_parser="qwen3")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ data-parallel size (from `devices`), `--resume`, and with `weight_transfer = "br
 from __future__ import annotations
 
 import copy
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +31,7 @@ from primerl.config.inference import InferenceConfig
 from primerl.config.loader import FILE_LAYER
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.trainer import TrainerConfig
+from primerl.ports import free_port
 
 # Dotted keys of each process config that the rl config sets from its top level (or the launcher sets).
 INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
@@ -272,16 +272,9 @@ class RLConfig(ProcessConfig):
         if self.weight_transfer != "broadcast":
             group["receivers"] = 1
             return
-        group["port"] = group["port"] or broadcast_port or _free_port(group["host"])
+        group["port"] = group["port"] or broadcast_port or free_port(group["host"])
         group["receivers"] = inference["vllm"]["tensor_parallel_size"] if inference["engine"] == "vllm" else 1
         inference["weight_broadcast"] = {key: group[key] for key in ("host", "port", "init_timeout_s", "timeout_s")}
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _one_line(error: pydantic.ValidationError) -> str:

@@ -19,7 +19,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ from primerl.launch.processes import (
     torchrun_command,
 )
 from primerl.monitor import METRICS_FILE, format_line
+from primerl.ports import free_port
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
@@ -69,13 +69,6 @@ def visible_gpus() -> list[str]:
     except (subprocess.SubprocessError, OSError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-
-
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
