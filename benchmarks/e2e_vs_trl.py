@@ -10,6 +10,16 @@ are reported too.
 
     uv run python benchmarks/e2e_vs_trl.py --trl-script PEER/trl_grpo.py [--rounds 2] [--out results.json]
 
+On a GPU (P1-GPU: 16 prompts x 8, 128 new tokens, bf16, inference and trainer sharing the GPU, weights handed over
+through the shared buffer) where there is no uv, name the peer's interpreter and the sizes:
+
+    python3 benchmarks/e2e_vs_trl.py --trl-script peers/trl_grpo.py --trl-python python3 --model-dir DIR --bf16 \
+        --prompts-per-step 16 --group 8 --new-tokens 128 --steps 10 --max-batch-size 128 --weight-transfer shared
+
+Steady throughput leaves the first step out on both sides (compilation, graph capture, warm-up): for primerl from
+its first trained step to its last, for TRL from its first logged step to its last. Lost rollouts are the rollouts
+primerl's orchestrator saw fail (the `errors` of every step).
+
 The peer runs in its own virtual environment (`--trl-venv`, default build/trl-venv), created on first use with
 `uv venv` + `uv pip install` (or venv + pip when uv is absent): torch==2.13.0 trl datasets accelerate gguf.
 Prints one JSON object: {"primerl_rollouts_per_s", "trl_rollouts_per_s", "ratio", "primerl_rewards",
@@ -20,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import itertools
 import json
 import os
 import platform
@@ -34,7 +45,7 @@ import tomli_w
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PACKAGES = ["torch==2.13.0", "trl", "datasets", "accelerate", "gguf"]
-PROMPTS, GROUP, NEW_TOKENS, LR = 2, 8, 48, 5e-6
+PROMPTS, GROUP, NEW_TOKENS, LR = 2, 8, 48, 5e-6  # P1 on the CPU; the GPU variant sets its sizes on the command line
 
 
 def peer_system_prompt(script: Path) -> str:
@@ -77,26 +88,35 @@ def write_prompts(work: Path, system_prompt: str) -> tuple[Path, Path]:
     return rows, system
 
 
-def primerl_config(model_dir: Path, system_prompt_file: Path, steps: int, bf16: bool) -> dict:
+def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Namespace) -> dict:
     return {
-        "model": {"name": str(model_dir), "dtype": "bfloat16" if bf16 else "float32"},
-        "max_steps": steps,
+        "model": {"name": str(model_dir), "dtype": "bfloat16" if args.bf16 else "float32"},
+        "max_steps": args.steps,
         "max_async_steps": 1,
-        "seq_len": 512,
+        "seq_len": args.seq_len,
+        "weight_transfer": args.weight_transfer,
+        "inference": {"max_batch_size": args.max_batch_size},
         "orchestrator": {
             "env": {"id": "reverse-text", "args": {"system_prompt": str(system_prompt_file)}},
-            "batch": {"tasks_per_step": PROMPTS, "group_size": GROUP},
-            "sampling": {"temperature": 1.0, "max_tokens": NEW_TOKENS},
+            "batch": {"tasks_per_step": args.prompts_per_step, "group_size": args.group},
+            "sampling": {"temperature": 1.0, "max_tokens": args.new_tokens},
             "advantage": {"drop_zero_advantage": False},  # train on every rollout, as the peer does
         },
         "trainer": {
-            "optim": {"lr": LR},
+            "optim": {"lr": args.lr},
             "ckpt": {"save_at_end": False},  # the peer saves nothing either
         },
     }
 
 
-def run_primerl(config: Path, run_dir: Path, steps: int) -> dict:
+def _steady_rate(times: list[float], rollouts_per_step: int) -> float | None:
+    """Rollouts per second between the first and the last of `times` (one per step, first step excluded)."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return None
+    return round(rollouts_per_step * (len(times) - 1) / (times[-1] - times[0]), 4)
+
+
+def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     from primerl.monitor import read_metrics
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -110,51 +130,98 @@ def run_primerl(config: Path, run_dir: Path, steps: int) -> dict:
     trained = sorted(read_metrics(run_dir, "trainer"), key=lambda r: r["step"])
     generation_started = batches[0]["time"] - batches[0]["step_s"]
     seconds = trained[-1]["time"] - generation_started
+    per_step = args.prompts_per_step * args.group
     return {
         "seconds": round(seconds, 2),
         "wall_s": round(wall, 2),
-        "rollouts_per_s": round(PROMPTS * GROUP * steps / seconds, 4),
+        "rollouts_per_s": round(per_step * args.steps / seconds, 4),
+        "steady_rollouts_per_s": _steady_rate([r["time"] for r in trained], per_step),
+        "steady_s_per_step": round(statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(trained)), 3)
+        if len(trained) > 1 else None,
+        "lost_rollouts": sum(r.get("errors") or 0 for r in batches),
         "rewards": [round(r["reward_mean"], 4) for r in batches],
+        "trainer_step_s": [round(r.get("step_s") or 0, 3) for r in trained],
+        "weight_handoff_s": [r.get("weights_shared_s") or r.get("weights_broadcast_s") or r.get("weights_export_s")
+                             for r in trained],
     }
 
 
-def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, steps: int, bf16: bool) -> dict:
+def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: argparse.Namespace) -> dict:
     command = [str(python), str(script), "--model-dir", str(model_dir), "--prompts", str(prompts),
-               "--steps", str(steps), "--rollouts", str(PROMPTS * GROUP), "--group", str(GROUP),
-               "--max-new-tokens", str(NEW_TOKENS), "--lr", str(LR), *(["--bf16"] if bf16 else [])]
-    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+               "--steps", str(args.steps), "--rollouts", str(args.prompts_per_step * args.group),
+               "--group", str(args.group), "--max-new-tokens", str(args.new_tokens), "--lr", str(args.lr),
+               *(["--bf16"] if args.bf16 else [])]
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
+    if args.trl_pythonpath is not None:
+        env["PYTHONPATH"] = args.trl_pythonpath
+    else:
+        env.pop("PYTHONPATH", None)
     started = time.time()
     result = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
     wall = time.time() - started
     if result.returncode != 0:
         raise SystemExit(f"the TRL peer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
     summary = json.loads(result.stdout.strip().splitlines()[-1])
+    steps = [json.loads(line) for line in result.stdout.replace("\r", "\n").splitlines()
+             if line.startswith('{"step"')]
     return {
         "seconds": summary["seconds"],
         "wall_s": round(wall, 2),
         "rollouts_per_s": summary["rollouts_per_s"],
+        "steady_rollouts_per_s": _steady_rate([s["t"] for s in steps], args.prompts_per_step * args.group),
         "rewards": summary["rewards"],
     }
 
 
-def summarize(rounds: list[dict], model: str, steps: int, bf16: bool) -> dict:
-    """The benchmark's JSON: median rollouts/s of each side over the rounds, their ratio, the last round's rewards."""
-    ours_rate = statistics.median(r["primerl"]["rollouts_per_s"] for r in rounds)
-    peer_rate = statistics.median(r["trl"]["rollouts_per_s"] for r in rounds)
+def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
+    """The benchmark's JSON: median rollouts/s of each side over the rounds (steady: first step excluded), their
+    ratios, lost rollouts, the last round's rewards."""
+    def median(side: str, key: str) -> float | None:
+        values = [r[side][key] for r in rounds if r.get(side) and r[side].get(key) is not None]
+        return statistics.median(values) if values else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    ours, ours_steady = median("primerl", "rollouts_per_s"), median("primerl", "steady_rollouts_per_s")
+    with_peer = [r for r in rounds if r.get("trl")]
+    peer = statistics.median(r["trl"]["rollouts_per_s"] for r in with_peer) if with_peer else None
+    peer_steady = statistics.median(r["trl"]["steady_rollouts_per_s"] for r in with_peer
+                                    if r["trl"]["steady_rollouts_per_s"]) if with_peer else None
     return {
-        "benchmark": "P1 e2e RL on CPU vs TRL GRPOTrainer",
-        "primerl_rollouts_per_s": ours_rate,
-        "trl_rollouts_per_s": peer_rate,
-        "ratio": round(ours_rate / peer_rate, 3),
+        "benchmark": f"P1 e2e RL vs TRL GRPOTrainer ({'GPU' if _gpu_name() else 'CPU'})",
+        "primerl_rollouts_per_s": ours,
+        "trl_rollouts_per_s": peer,
+        "ratio": ratio(ours, peer),
+        "primerl_steady_rollouts_per_s": ours_steady,
+        "trl_steady_rollouts_per_s": peer_steady,
+        "steady_ratio": ratio(ours_steady, peer_steady),
+        "primerl_lost_rollouts": sum(r["primerl"]["lost_rollouts"] for r in rounds),
         "primerl_rewards": rounds[-1]["primerl"]["rewards"],
-        "trl_rewards": rounds[-1]["trl"]["rewards"],
+        "trl_rewards": with_peer[-1]["trl"]["rewards"] if with_peer else None,
         "rounds": rounds,
-        "config": {"model": model, "steps": steps, "prompts_per_step": PROMPTS, "rollouts_per_prompt": GROUP,
-                   "max_new_tokens": NEW_TOKENS, "lr": LR, "precision": "bfloat16" if bf16 else "float32",
-                   "primerl_max_async_steps": 1},
+        "config": {"model": model, "steps": args.steps, "prompts_per_step": args.prompts_per_step,
+                   "rollouts_per_prompt": args.group, "max_new_tokens": args.new_tokens, "lr": args.lr,
+                   "precision": "bfloat16" if args.bf16 else "float32", "primerl_max_async_steps": 1,
+                   "primerl_weight_transfer": args.weight_transfer, "primerl_max_batch_size": args.max_batch_size},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average_1m": round(os.getloadavg()[0], 2)},
+                    "gpu": _gpu_name(), "load_average_1m": round(os.getloadavg()[0], 2),
+                    "commit": _commit()},
     }
+
+
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def _commit() -> str | None:
+    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False)
+    return result.stdout.strip() or os.environ.get("PRIMERL_COMMIT")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -166,27 +233,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--bf16", action="store_true", help="bfloat16 on both sides (default float32)")
     parser.add_argument("--model", default="smollm2-135m-instruct", help="registry name (tiny checks the plumbing)")
+    parser.add_argument("--model-dir", type=Path, help="a model directory to use instead of --model")
+    parser.add_argument("--trl-python", type=Path, help="the peer's interpreter (default: --trl-venv, made if absent)")
+    parser.add_argument("--trl-pythonpath", help="PYTHONPATH for the peer (default: none)")
+    parser.add_argument("--prompts-per-step", type=int, default=PROMPTS)
+    parser.add_argument("--group", type=int, default=GROUP, help="rollouts per prompt")
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--seq-len", type=int, default=512, help="primerl's packed row length")
+    parser.add_argument("--max-batch-size", type=int, default=32, help="primerl's inference.max_batch_size")
+    parser.add_argument("--weight-transfer", default="filesystem", choices=["filesystem", "broadcast", "shared"])
+    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--skip-trl", action="store_true", help="primerl only (e.g. a learning run)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
 
     from primerl.models import resolve_model
 
-    model_dir = resolve_model(args.model)
-    python = ensure_trl_venv(args.trl_venv)
+    model_dir = args.model_dir.resolve() if args.model_dir else resolve_model(args.model)
+    python = None if args.skip_trl else args.trl_python or ensure_trl_venv(args.trl_venv)
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
     prompts, system_file = write_prompts(work, peer_system_prompt(args.trl_script))
     config = work / "primerl.toml"
-    config.write_text(tomli_w.dumps(primerl_config(model_dir, system_file, args.steps, args.bf16)))
+    config.write_text(tomli_w.dumps(primerl_config(model_dir, system_file, args)))
 
     rounds = []
     for i in range(args.rounds):
-        ours = run_primerl(config, work / f"primerl-{i}", args.steps)
+        ours = run_primerl(config, work / f"primerl-{i}", args)
         print(f"round {i}: primerl {json.dumps(ours)}", file=sys.stderr, flush=True)
-        peer = run_trl(python, args.trl_script, model_dir, prompts, args.steps, args.bf16)
+        peer = None if python is None else run_trl(python, args.trl_script, model_dir, prompts, args)
         print(f"round {i}: trl {json.dumps(peer)}", file=sys.stderr, flush=True)
         rounds.append({"primerl": ours, "trl": peer})
-        result = summarize(rounds, args.model, args.steps, args.bf16)
+        result = summarize(rounds, str(args.model_dir or args.model), args)
         if args.out:  # after every round, so an interrupted benchmark keeps what it measured
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -57,13 +57,14 @@ from trainer import QWEN3_0_6B, TINY, write_random_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
-MODES = ("filesystem", "broadcast_auto", "broadcast_nccl_same_gpu", "broadcast_nccl_2gpu")
+MODES = ("filesystem", "shared", "broadcast_auto", "broadcast_nccl_same_gpu", "broadcast_nccl_2gpu")
 SERVED = "bench"
 PROMPT = list(range(10, 26))  # 16 token ids inside the tiny tokenizer's vocabulary (the server checks them)
 GREEDY_TOKENS = 8
 
 # server log lines (primerl.inference.server, engines/hf.py, transport/broadcast.py)
 LOADED = re.compile(r"weights: loaded (\S+) as policy version (\d+) in ([\d.]+)s")
+COPIED = re.compile(r"weights: copied step (\d+) from the trainer's shared buffer as policy version \d+ in ([\d.]+)s")
 RECEIVED = re.compile(r"weights: received step (\d+) by broadcast: (\d+) tensors, ([\d.]+) MB in (\d+) bucket\(s\); "
                       r"receive ([\d.]+)s, apply ([\d.]+)s")
 JOINED = re.compile(r"joined weight group \S+ at \S+ as rank (\d+) of (\d+) \((\w+)\)")
@@ -86,6 +87,7 @@ class ModeSpec:
 
 SPECS = {
     "filesystem": ModeSpec("filesystem", None, 0, 0, 0),
+    "shared": ModeSpec("shared", None, 0, 0, 60),
     "broadcast_auto": ModeSpec("broadcast", "auto", 0, 60, 60),
     "broadcast_nccl_same_gpu": ModeSpec("broadcast", "nccl", 0, 30, 20),
     "broadcast_nccl_2gpu": ModeSpec("broadcast", "nccl", 1, 60, 60),
@@ -138,6 +140,8 @@ def run_child(args: argparse.Namespace) -> int:
         "--host=127.0.0.1", f"--port={port}", f"--served_model_name={SERVED}", "--max_model_len=256",
         "--max_batch_size=4", "--log_level=info",
     ]
+    if spec.transfer == "shared":
+        server_args += ["--weight_transfer=shared"]
     if spec.transfer == "broadcast":
         server_args += ["--weight_transfer=broadcast", f"--weight_broadcast.port={store_port}",
                         f"--weight_broadcast.init_timeout_s={max(args.timeout_s, 30):g}",
@@ -188,6 +192,13 @@ def run_child(args: argparse.Namespace) -> int:
         result["initial_request"] = initial
         save()
 
+        if spec.transfer == "shared":
+            wcfg = WeightsConfig(interval=1, keep_last=2, transfer="shared", shared_timeout_s=spec.timeout_s)
+            trainer.publisher.close()
+            trainer.publisher = WeightPublisher(wcfg, trainer.policy, trainer.tokenizer, run_dir,
+                                                trainer.export_dtype, trainer.dist, trainer.device)
+            trainer.parts = dataclasses.replace(trainer.parts, weights=wcfg)
+            result["publisher_label"] = trainer.publisher.label
         if spec.transfer == "broadcast":
             wcfg = WeightsConfig(interval=1, keep_last=2, transfer="broadcast", broadcast=BroadcastConfig(
                 host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
@@ -242,10 +253,11 @@ def run_child(args: argparse.Namespace) -> int:
                 "update_request_s": t_served - t_published,
                 "server_policy_version": state["policy_version"],
                 "weight_transfer": metrics.get("weight_transfer"),
-                "backend": marker.get("backend") if marker else "filesystem",
+                "backend": marker.get("backend") if marker else "shared" if spec.transfer == "shared" else "filesystem",
                 "has_files": transport.has_files(path),
                 **{k: metrics[k] for k in ("weights_export_s", "weights_broadcast_s", "weights_broadcast_bytes",
-                                           "weights_broadcast_buckets") if k in metrics},
+                                           "weights_broadcast_buckets", "weights_shared_s", "weights_shared_wait_s")
+                   if k in metrics},
                 "trainer_step_s": metrics.get("step_s"),
                 "loss": metrics.get("loss"),
                 "server_log": _update_log(server.log_path, step, wait_s=3.0),
@@ -327,6 +339,9 @@ def _update_log(path: Path, step: int, wait_s: float) -> dict[str, Any] | None:
         for m in LOADED.finditer(text):
             if int(m.group(2)) == step:
                 return {"how": "filesystem", "load_s": float(m.group(3))}
+        for m in COPIED.finditer(text):
+            if int(m.group(1)) == step:
+                return {"how": "shared", "copy_s": float(m.group(2))}
         if time.monotonic() > deadline:
             return None
         time.sleep(0.05)
@@ -496,11 +511,11 @@ def summarise(r: dict[str, Any]) -> dict[str, Any]:
         "fallback_reason": r.get("fallback_reason"),
         "serves_new_version_every_time": all(x["greedy"]["serves_new_version"] for x in repeats),
     }
-    for key in ("weights_export_s", "weights_broadcast_s", "finish_step_s", "update_request_s"):
+    for key in ("weights_export_s", "weights_broadcast_s", "weights_shared_s", "finish_step_s", "update_request_s"):
         values = [x[key] for x in repeats if x.get(key) is not None]
         if values:
             summary[f"{key}_median"] = statistics.median(values)
-    for key in ("load_s", "receive_s", "apply_s"):
+    for key in ("load_s", "receive_s", "apply_s", "copy_s"):
         values = [x["server_log"][key] for x in repeats if x.get("server_log") and key in x["server_log"]]
         if values:
             summary[f"server_{key}_median"] = statistics.median(values)

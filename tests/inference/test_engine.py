@@ -297,3 +297,32 @@ def test_fast_decoder_self_check(model_dir, request):
     from primerl.inference.engines.llama import self_check
 
     self_check(str(request.getfixturevalue(model_dir)), device="cpu")
+
+
+def test_chunked_decode_equals_one_step_at_a_time(tiny_model_dir):
+    """Several decode steps per host round trip (sampling on the device) produce exactly the tokens of one step at a
+    time for seeded requests, finish where they would have (a stop token mid-chunk drops the tokens after it), and
+    the same logprobs."""
+    stop_token = 7
+    requests = [
+        (PROMPTS[0], SamplingParams(max_tokens=21, temperature=1.0, seed=3, ignore_eos=True)),
+        (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.7, seed=4, ignore_eos=True)),
+        (PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.3, seed=5, stop_token_ids=[stop_token])),
+        (PROMPTS[3], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
+    ]
+    outputs = {}
+    for steps in (1, 8):
+
+        async def test(engine: HFEngine, steps: int = steps) -> None:
+            results = await asyncio.gather(
+                *(complete(engine, prompt, params, f"r{i}") for i, (prompt, params) in enumerate(requests))
+            )
+            outputs[steps] = [
+                ([e.token_id for e in events], [e.logprob for e in events], finish.reason) for events, finish in results
+            ]
+
+        with_engine(tiny_model_dir, test, decode_steps=steps)
+    for one, chunked in zip(outputs[1], outputs[8], strict=True):
+        assert chunked[0] == one[0] and chunked[2] == one[2]
+        torch.testing.assert_close(torch.tensor(chunked[1]), torch.tensor(one[1]), atol=1e-5, rtol=1e-5)
+    assert [len(tokens) for tokens, _, _ in outputs[8]][:2] == [21, 5] and outputs[8][3][2] == "length"

@@ -6,10 +6,12 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wait_for
 
+from primerl.transport.shared import marker as shared_marker
 from primerl.transport.weights import broadcast_marker, has_files, stable_steps, weights_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -106,6 +108,27 @@ def test_rl_with_the_weight_broadcast(tmp_path):
     inference_log = (run / "logs" / "inference.log").read_text()
     assert "received step 1 by broadcast" in inference_log and "received step 2 by broadcast" in inference_log
     assert "step 2 is live (received by broadcast" in inference_log
+    assert not processes_of_run(run)
+
+
+def test_rl_with_shared_weights(tmp_path):
+    """weight_transfer = shared: versions travel through the trainer's shared buffer (shared memory on the CPU); the
+    checkpoint step and the last step are written in full as well."""
+    run = tmp_path / "run"
+    result = run_rl(run, "--weight_transfer=shared", "--max_async_steps=0", "--trainer.ckpt.interval=2")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert stable_steps(run) == [1, 2, 3]
+    assert shared_marker(weights_dir(run, 1)) and not has_files(weights_dir(run, 1))
+    assert shared_marker(weights_dir(run, 2)) is None and has_files(weights_dir(run, 2))
+    assert shared_marker(weights_dir(run, 3)) is None and has_files(weights_dir(run, 3))
+    trainer = records(run, "trainer")
+    assert [r["weight_transfer"] for r in trainer] == ["shared"] * 3
+    assert trainer[0]["weights_shared_s"] > 0 and "weights_export_s" not in trainer[0]
+    for step in range(3):  # synchronous: each batch sampled by exactly the policy before it
+        assert set(versions(run, step)) == {(step, step)}
+    inference_log = (run / "logs" / "inference.log").read_text()
+    assert "copied step 1 from the trainer's shared buffer" in inference_log
+    assert not list(Path("/dev/shm").glob(f"primerl-weights-*{run.name}*"))
     assert not processes_of_run(run)
 
 

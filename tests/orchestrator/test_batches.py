@@ -9,6 +9,7 @@ import pytest
 
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import read_metrics
+from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.loop import Orchestrator, PolicyTracker, TaskStream, score_group
 from primerl.orchestrator.rollouts import Sample
 from primerl.transport.rollouts import read_batch
@@ -35,7 +36,8 @@ def orchestrator(tmp_path):
         cfg = OrchestratorConfig(run_dir=tmp_path, batch={"tasks_per_step": 2, "group_size": 2, "seq_len": 16},
                                  **overrides)
         o = Orchestrator(cfg)
-        o.policy = PolicyTracker(http=None, run_dir=tmp_path, admin_token=None, poll_s=1.0)
+        pool = InferencePool(["http://127.0.0.1:9"], admin_token=None, request_timeout_s=1, retry_s=1)
+        o.policy = PolicyTracker(pool, run_dir=tmp_path, poll_s=1.0)
         o.tasks = TaskStream(_Taskset(), seed=0)
         return o
 

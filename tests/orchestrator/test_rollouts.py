@@ -21,6 +21,7 @@ from primerl.orchestrator.rollouts import (
     Sample,
     chat_client,
     load_env,
+    policy_version,
     run_group,
     samples_from_episode,
     train_client,
@@ -67,8 +68,11 @@ def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool 
     client = chat_client(server) if chat else train_client(server, tiny_model_dir, RENDERER)
 
     async def go() -> list[Sample]:
-        async with env.serving():
-            return await run_group(env, task, n, model="tiny", client=client, sampling=SAMPLING, server_url=server)
+        async with env.serving(), httpx.AsyncClient(base_url=server) as http:
+            return await run_group(
+                env, task, n, model="tiny", client=client, sampling=SAMPLING,
+                current_version=lambda: policy_version(http),
+            )
 
     return asyncio.run(go())
 

@@ -50,15 +50,29 @@ class InferenceConfig(ProcessConfig):
     max_model_len: int | None = Field(
         None, ge=1, description="context length (prompt + completion); default: the model's own limit"
     )
+    keep_alive_s: float = Field(
+        75.0,
+        ge=1,
+        description="keep idle client connections open this long; keep it longer than every client's idle-connection "
+        "expiry (httpx: 5 s), so no client sends a request into a connection the server is closing",
+    )
     max_batch_size: int = Field(32, ge=1, description="sequences decoded together at most")
+    decode_steps: int = Field(
+        8,
+        ge=1,
+        le=64,
+        description="hf engine: decode steps run back to back on the device, sampling included, before the host "
+        "looks at the tokens (1 = one step at a time; rows with top_p < 1 or top_k always go one step at a time)",
+    )
     max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
     seed: int = Field(0, description="seeds the per-request seeds drawn for requests that bring none")
     log_level: LogLevel = Field("info", description="debug | info | warning | error")
     vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")
-    weight_transfer: Literal["filesystem", "broadcast"] = Field(
+    weight_transfer: Literal["filesystem", "broadcast", "shared"] = Field(
         "filesystem",
         description="broadcast = join the trainer's weight group at start and apply every version it sends; "
-        "/admin/update_weights then confirms them (filesystem snapshots load as always)",
+        "/admin/update_weights then confirms them; shared = versions with a SHARED marker are copied from the "
+        "trainer's buffer on this device (filesystem snapshots load as always)",
     )
     weight_broadcast: BroadcastReceiverSection = Field(
         default_factory=BroadcastReceiverSection, description="the trainer's weight group (weight_transfer = broadcast)"

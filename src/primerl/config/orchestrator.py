@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig
@@ -19,11 +19,32 @@ class EnvSection(Section):
 
 
 class ClientSection(Section):
-    """How the orchestrator reaches the inference server."""
+    """How the orchestrator reaches its inference server(s)."""
 
     base_url: str = Field("http://127.0.0.1:8000", description="inference server root URL (no /v1 suffix)")
+    base_urls: list[str] | None = Field(
+        None,
+        description="several inference servers (root URLs): groups go to the least-loaded one and every weight "
+        "version is loaded into all of them (overrides base_url)",
+    )
     request_timeout_s: float = Field(600.0, gt=0, description="give up on one model call after this long")
     startup_timeout_s: float = Field(900.0, gt=0, description="wait this long for the server's /health at start")
+    retry_s: float = Field(
+        120.0, gt=0, description="retry health checks and weight loads this long through dropped connections"
+    )
+
+    @field_validator("base_urls")
+    @classmethod
+    def _some_urls(cls, urls: list[str] | None) -> list[str] | None:
+        if urls is not None and not urls:
+            raise ValueError("base_urls must name at least one server (or leave it unset to use base_url)")
+        if urls is not None and len(set(urls)) != len(urls):
+            raise ValueError("base_urls lists a server twice")
+        return urls
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self.base_urls) if self.base_urls else [self.base_url]
 
 
 class SamplingSection(Section):

@@ -37,7 +37,7 @@ from primerl.ports import free_port
 INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
 ORCHESTRATOR_SHARED = {
     "run_dir", "model", "served_model_name", "seed", "max_steps", "max_async_steps", "resume", "admin_token",
-    "client.base_url", "batch.seq_len", "batch.num_ranks",
+    "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks",
 }
 TRAINER_SHARED = {
     "run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
@@ -119,10 +119,11 @@ class RLConfig(ProcessConfig):
     )
     seq_len: int = Field(2048, ge=8, description="tokens per packed training row")
     resume: bool = Field(False, description="continue the run in output_dir from its newest checkpoints")
-    weight_transfer: Literal["filesystem", "broadcast"] = Field(
+    weight_transfer: Literal["filesystem", "broadcast", "shared"] = Field(
         "filesystem",
         description="how new weights reach inference: filesystem = full snapshots under weights/; broadcast = a "
-        "collective group from trainer rank 0 to the server (trainer.weights.broadcast sets it up)",
+        "collective group from trainer rank 0 to the server (trainer.weights.broadcast sets it up); shared = the "
+        "server copies each version from the trainer's buffer on the device they share (one GPU, or the CPU)",
     )
     devices: DevicesSection = Field(default_factory=DevicesSection, description="GPU assignment")
     inference: InferenceSection = Field(default_factory=InferenceSection, description="the inference server")
@@ -157,7 +158,15 @@ class RLConfig(ProcessConfig):
                                  "set devices.trainer ([] trains on the CPU) or give devices.inference fewer GPUs")
             trainer = left or list(inference)  # one GPU only: the trainer shares it (colocated)
         self._check_devices(inference, trainer, num_gpus)
-        return DeviceAssignment(list(inference), list(trainer))
+        devices = DeviceAssignment(list(inference), list(trainer))
+        on_cpu = not devices.inference and not devices.trainer
+        if self.weight_transfer == "shared" and not (on_cpu or devices.trainer[:1] == devices.inference[:1]):
+            raise ValueError(
+                f"weight_transfer = 'shared' needs the server and trainer rank 0 on one device, but inference has "
+                f"GPUs {devices.inference or 'none (CPU)'} and the trainer {devices.trainer or 'none (CPU)'}; "
+                "use 'broadcast' or 'filesystem' for separate devices"
+            )
+        return devices
 
     def with_devices(self, devices: DeviceAssignment) -> RLConfig:
         """This config with what the device assignment decides filled in before the process configs are built:

@@ -103,10 +103,15 @@ class WeightsConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the exported tensors; auto = the compute dtype"
     )
-    transfer: Literal["filesystem", "broadcast"] = Field(
+    transfer: Literal["filesystem", "broadcast", "shared"] = Field(
         "filesystem",
         description="filesystem = full snapshots on disk; broadcast = send each version to inference over a "
-        "collective group and publish a BROADCAST marker (the last step is still written in full)",
+        "collective group and publish a BROADCAST marker; shared = inference on the same device copies each version "
+        "from a buffer the trainer shares (CUDA IPC, or shared memory on the CPU) and a SHARED marker is published "
+        "(the last step and checkpoint steps are still written in full)",
+    )
+    shared_timeout_s: float = Field(
+        120.0, gt=0, description="shared: wait this long for inference to apply a version before writing the next"
     )
     broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig, description="the weight group (broadcast)")
 

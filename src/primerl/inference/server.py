@@ -159,6 +159,8 @@ class InferenceServer:
         self.paused = False
         self._seeds = random.Random(cfg.seed)
         self._admin_lock = asyncio.Lock()
+        self._loaded_snapshot: tuple | None = None  # what update_weights loaded last (see _snapshot_identity)
+        self._shared_reader = None  # primerl.transport.shared.SharedReader, made at the first shared version
 
     # ---- checks shared by both completion routes
 
@@ -377,6 +379,8 @@ class InferenceServer:
         path = Path(req.path)
         if not path.exists():
             raise APIError(400, f"no weights at {req.path}", param="path", code="weights_not_found")
+        if path.is_dir() and (path / weight_snapshots.SHARED).is_file():
+            return await self._load_shared(path, req.step)
         marker = weight_snapshots.broadcast_marker(path) if path.is_dir() else None
         if marker is not None and self.engine.policy_version >= req.step:
             # the trainer publishes a broadcast marker only after every receiver applied it: confirm, load nothing
@@ -392,12 +396,45 @@ class InferenceServer:
                 code="weights_not_received",
             )
         async with self._admin_lock:
+            identity = _snapshot_identity(path)
+            if self.engine.policy_version == req.step and self._loaded_snapshot == identity:
+                # a retried request (its first attempt's answer was lost with the connection): already live
+                log.info("weights: step %d from %s is already live", req.step, path)
+                return self.admin_state()
             started = time.perf_counter()
             try:
                 await self.engine.update_weights(path, req.step)
             except (OSError, ValueError, KeyError) as e:
                 raise APIError(400, f"could not load weights from {req.path}: {e}", param="path") from None
+            self._loaded_snapshot = identity
             log.info("weights: loaded %s as policy version %d in %.2fs", path, req.step, time.perf_counter() - started)
+        return self.admin_state()
+
+    async def _load_shared(self, path: Path, step: int) -> AdminState:
+        """Copy version `step` from the trainer's shared buffer (see primerl.transport.shared), then confirm it."""
+        from primerl.transport import shared as shared_weights
+
+        load = getattr(self.engine, "load_named_tensors", None)
+        if load is None:
+            raise APIError(400, f"the {type(self.engine).__name__} engine cannot load shared weights; use a full "
+                           "snapshot", param="path", code="weights_not_loadable")
+        run_dir = path.parent.parent
+        async with self._admin_lock:
+            if self.engine.policy_version == step and self._loaded_snapshot == ("shared", step):
+                log.info("weights: step %d (shared) is already live", step)
+                return self.admin_state()
+            started = time.perf_counter()
+            try:
+                if self._shared_reader is None:
+                    self._shared_reader = shared_weights.SharedReader(self.engine.device)
+                tensors = self._shared_reader.tensors(path, run_dir)
+                await load(tensors, step, source=f"shared weights of {path}")
+            except (OSError, ValueError, KeyError, shared_weights.SharedWeightsError) as e:
+                raise APIError(400, f"could not load shared weights for step {step}: {e}", param="path") from None
+            shared_weights.write_applied(run_dir, step)
+            self._loaded_snapshot = ("shared", step)
+            log.info("weights: copied step %d from the trainer's shared buffer as policy version %d in %.3fs",
+                     step, step, time.perf_counter() - started)
         return self.admin_state()
 
     async def set_paused(self, paused: bool) -> AdminState:
@@ -424,6 +461,13 @@ class InferenceServer:
             self.engine.policy_version,
             time.perf_counter() - started,
         )
+
+
+def _snapshot_identity(path: Path) -> tuple:
+    """What tells two loads of `path` apart: the path and its files' sizes and modification times (a snapshot
+    re-published under the same step after a resume is a different snapshot)."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()))
 
 
 def _finish_reason(finish: Finish | None, has_tool_calls: bool) -> str:
@@ -570,6 +614,7 @@ def build_engine(cfg: InferenceConfig) -> Engine:
         dtype=cfg.model.dtype,
         max_batch_size=cfg.max_batch_size,
         max_model_len=cfg.max_model_len,
+        decode_steps=cfg.decode_steps,
     )
 
 
@@ -641,7 +686,8 @@ def main(argv: list[str] | None = None) -> int:
     log.info("loading %s with engine %s, listening on %s:%d", cfg.model.name, cfg.engine, cfg.host, cfg.port)
     app = create_app(engine, cfg)
     config = uvicorn.Config(
-        app, log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on"
+        app, log_config=None, access_log=False, timeout_graceful_shutdown=SHUTDOWN_GRACE_S, lifespan="on",
+        timeout_keep_alive=int(cfg.keep_alive_s),
     )
     try:
         uvicorn.Server(config).run(sockets=[sock])

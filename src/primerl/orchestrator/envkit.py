@@ -13,18 +13,23 @@ Multi-turn exchanges resume on the accumulated conversation (`SUPPORTS_RESUME`).
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import inspect
 import json
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+import httpx
 import verifiers.v1 as vf
 from openai import APIError, AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
+
+from primerl.orchestrator.client import pool_limits
 
 
 class DataIntegrityError(RuntimeError):
@@ -95,6 +100,21 @@ class Tool:
             return f"error: {error}"
 
 
+_INTERCEPTION_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _interception_http() -> httpx.AsyncClient:
+    """One HTTP client per event loop for every rollout's calls to its interception endpoint (plain HTTP on this
+    host): a client per rollout would build a TLS context each time, which cost more CPU than the rest of a rollout."""
+    loop = asyncio.get_running_loop()
+    client = _INTERCEPTION_HTTP.get(loop)
+    if client is None or client.is_closed:
+        client = _INTERCEPTION_HTTP[loop] = httpx.AsyncClient(timeout=None, limits=pool_limits(), verify=False)
+    return client
+
+
 class ChatHarnessConfig(vf.HarnessConfig):
     max_tool_rounds: int = 8
     """Tool-call rounds one segment may take before the harness stops answering tools and ends the segment."""
@@ -132,12 +152,12 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.extend(message_to_wire(message) for message in prompt)
         tools = {tool.name: tool for tool in self.tools()}
         specs = [tool.spec() for tool in tools.values()]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as client:
-            try:
-                await self._chat(client, ctx.model, messages, tools, specs)
-            except APIError as error:
-                # The interception refused or failed the call; the trace says why (a stop condition, or the error).
-                return ProgramResult(exit_code=1, stdout="", stderr=f"{type(error).__name__}: {error}")
+        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=_interception_http())
+        try:
+            await self._chat(client, ctx.model, messages, tools, specs)
+        except APIError as error:
+            # The interception refused or failed the call; the trace says why (a stop condition, or the error).
+            return ProgramResult(exit_code=1, stdout="", stderr=f"{type(error).__name__}: {error}")
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
     async def _chat(

@@ -31,7 +31,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
 import verifiers.v1 as vf
 
 from primerl.config import config_from_argv
@@ -40,6 +39,7 @@ from primerl.models import resolve_model
 from primerl.monitor import MetricsLogger
 from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
+from primerl.orchestrator.client import InferencePool, install_model_client_transport
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.transport import rollouts as batches
 from primerl.transport import weights
@@ -161,56 +161,29 @@ class TaskStream:
 
 
 class PolicyTracker:
-    """Knows the policy version the server samples with and moves it forward: each newer STABLE `weights/step_<k>/`
-    is loaded through `POST /admin/update_weights`. `changed` is set after every load."""
+    """Knows the policy version the servers sample with and moves it forward: each newer STABLE `weights/step_<k>/`
+    is loaded into every server (`InferencePool.update_weights`). `changed` is set after every load."""
 
-    def __init__(self, http: httpx.AsyncClient, run_dir: Path, admin_token: str | None, poll_s: float):
-        self.http = http
+    def __init__(self, pool: InferencePool, run_dir: Path, poll_s: float):
+        self.pool = pool
         self.run_dir = run_dir
-        self.admin_token = admin_token
         self.poll_s = poll_s
-        self.version = 0
-        self.changed = asyncio.Event()
-        self.last_update_s: float | None = None
+        self.changed = pool.changed
 
-    async def wait_until_serving(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                response = await self.http.get("/health")
-                if response.status_code == 200:
-                    self.version = int(response.json()["policy_version"])
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"inference server at {self.http.base_url} not healthy after {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+    @property
+    def version(self) -> int:
+        return self.pool.version
+
+    @property
+    def last_update_s(self) -> float | None:
+        return self.pool.last_update_s
 
     async def load_newest(self) -> bool:
-        """Load the newest STABLE snapshot if it is newer than what the server holds. True when one was loaded."""
+        """Load the newest STABLE snapshot if it is newer than what a server holds. True when one was loaded."""
         newest = weights.latest_stable(self.run_dir)
         if newest is None or newest[0] <= self.version:
             return False
-        if self.admin_token is None:
-            raise RuntimeError("new weights appeared but no admin token is set (PRIMERL_ADMIN_TOKEN)")
-        step, path = newest
-        started = time.perf_counter()
-        response = await self.http.post(
-            "/admin/update_weights",
-            json={"path": str(path), "step": step},
-            headers={"Authorization": f"Bearer {self.admin_token}"},
-            timeout=None,
-        )
-        if response.status_code == 400:  # pruned or replaced between listing and loading: look again next poll
-            log.warning("weights step %d not loadable yet: %s", step, response.text)
-            return False
-        response.raise_for_status()
-        self.version = int(response.json()["policy_version"])
-        self.last_update_s = time.perf_counter() - started
-        log.info("inference now serves policy version %d (loaded in %.2fs)", self.version, self.last_update_s)
-        self.changed.set()
-        return True
+        return await self.pool.update_weights(*newest)
 
     async def watch(self) -> None:
         while True:
@@ -310,8 +283,10 @@ class Orchestrator:
         if self.progress.next_step:
             log.info("resuming at step %d (%d tasks drawn so far)", self.progress.next_step, self.progress.tasks_drawn)
         renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
-        self.client = bridge.train_client(cfg.client.base_url, renderer_model=renderer_model)
-        warm_client = vf.resolve_client(self.client)  # schedules loading the tokenizer (slow) on a thread...
+        install_model_client_transport()
+        urls = cfg.client.urls
+        self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
+        warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
         await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
         env = bridge.load_env(cfg.env.id, **cfg.env.args)
         self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn)
@@ -321,16 +296,19 @@ class Orchestrator:
         self.env = env
         log.info(
             "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
-            "off-policy limit %d, advantage %s",
+            "off-policy limit %d, advantage %s, %d inference server(s)",
             cfg.env.id, len(self.tasks) or "unbounded", cfg.batch.tasks_per_step, cfg.batch.group_size,
             cfg.batch.seq_len, cfg.batch.num_ranks, cfg.max_async_steps, cfg.off_policy_limit, cfg.advantage.path,
+            len(urls),
         )
         token = cfg.admin_token.get_secret_value() if cfg.admin_token is not None else None
-        timeout = httpx.Timeout(cfg.client.request_timeout_s, connect=10.0)
-        async with httpx.AsyncClient(base_url=cfg.client.base_url, timeout=timeout) as http:
-            self.policy = PolicyTracker(http, self.run_dir, token, cfg.weights_poll_s)
+        async with InferencePool(
+            urls, admin_token=token, request_timeout_s=cfg.client.request_timeout_s, retry_s=cfg.client.retry_s
+        ) as pool:
+            self.pool = pool
+            self.policy = PolicyTracker(pool, self.run_dir, cfg.weights_poll_s)
             try:
-                await self.policy.wait_until_serving(cfg.client.startup_timeout_s)
+                await pool.wait_until_serving(cfg.client.startup_timeout_s)
             finally:
                 await warm_client.close()
             await self.policy.load_newest()
@@ -386,10 +364,15 @@ class Orchestrator:
 
     async def _run_group(self, task: Any) -> Group:
         started = time.monotonic()
-        samples = await bridge.run_group(
-            self.env, task, self.cfg.batch.group_size, model=self.model_name, client=self.client,
-            sampling=self.sampling, server_url=self.cfg.client.base_url,
-        )
+        with self.pool.acquire() as server:
+
+            async def current_version() -> int:
+                return int((await self.pool.health(server))["policy_version"])
+
+            samples = await bridge.run_group(
+                self.env, task, self.cfg.batch.group_size, model=self.model_name, client=self.clients[server.url],
+                sampling=self.sampling, current_version=current_version,
+            )
         return score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
 
     def _collect(self, group: Group) -> None:

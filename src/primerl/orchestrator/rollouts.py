@@ -7,20 +7,22 @@ each trace branch carries its exact token sequence, which tokens the model sampl
 the chat client (`chat_client`) calls go through `/v1/chat/completions` and samples carry rewards but no tokens (eval).
 
 Policy versions: the server reports them per choice, but the renderer client keeps only token ids and logprobs, so
-the bridge brackets each rollout with the server's current version (`GET /health`) before its first and after its
-last call. Versions only grow, so `[before, after]` contains every version that sampled the rollout's tokens; it is
-exact whenever no weight update landed mid-rollout.
+the bridge brackets each group with the server's current version (`current_version`, e.g. `GET /health`) before its
+first rollout starts and after its last one ends: two calls per group, not per rollout. Versions only grow, so
+`[before, after]` contains every version that sampled the group's tokens; it is exact whenever no weight update
+landed while the group ran.
 
     env = load_env("reverse-text")
     client = train_client("http://127.0.0.1:8000", renderer_model=model_dir)
     async with env.serving():
         samples = await run_group(env, task, n=8, model="tiny", client=client, sampling=vf.SamplingConfig(...),
-                                  server_url="http://127.0.0.1:8000")
+                                  current_version=lambda: policy_version(http))
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,21 +130,16 @@ async def run_group(
     model: str,
     client: vf.TrainClientConfig | vf.EvalClientConfig,
     sampling: vf.SamplingConfig,
-    server_url: str,
+    current_version: Callable[[], Awaitable[int]],
 ) -> list[Sample]:
     """Run `n` independent rollouts of `task` concurrently and return their samples (at least one per rollout).
-    Call inside `async with env.serving():` so rollouts share the env's interception server."""
+    Call inside `async with env.serving():` so rollouts share the env's interception server. `current_version`
+    returns the policy version the server samples with now (called once before and once after the group)."""
     ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
-    async with httpx.AsyncClient(base_url=server_url, timeout=30.0) as http:
-
-        async def rollout() -> list[Sample]:
-            before = await policy_version(http)
-            episode = await env.run_episode(task, ctx)
-            after = await policy_version(http)
-            return samples_from_episode(episode, (before, after))
-
-        groups = await asyncio.gather(*(rollout() for _ in range(n)))
-    return [sample for group in groups for sample in group]
+    before = await current_version()
+    episodes = await asyncio.gather(*(env.run_episode(task, ctx) for _ in range(n)))
+    versions = (before, await current_version())
+    return [sample for episode in episodes for sample in samples_from_episode(episode, versions)]
 
 
 def samples_from_episode(episode: vf.Episode, policy_versions: tuple[int, int]) -> list[Sample]:

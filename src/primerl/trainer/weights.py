@@ -38,6 +38,8 @@ from primerl.transport.broadcast import (
     dtype_name,
     plan_buckets,
 )
+from primerl.transport.shared import SharedSegment
+from primerl.transport.shared import marker as shared_marker
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +162,14 @@ class WeightPublisher:
         self.mode = cfg.transfer
         self.label = cfg.transfer
         self.sender: BroadcastSender | None = None
+        self.segment: SharedSegment | None = None
         if cfg.transfer == "broadcast":
             self._form_group()
+        elif cfg.transfer == "shared" and dist.is_main:
+            plan = export_plan(policy, dtype)
+            self.segment = SharedSegment(run_dir, [(e.name, e.shape) for e in plan], dtype, device)
+            log.info("weights: shared %s buffer of %.1f MB for inference on the same device",
+                     device.type, self.segment.num_bytes / 1e6)
 
     def _form_group(self) -> None:
         b = self.cfg.broadcast
@@ -187,6 +195,9 @@ class WeightPublisher:
         if self.sender is not None:
             self.sender.close(f"the trainer fell back to the filesystem: {reason}")
             self.sender = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
         if self.dist.is_main:
             log.warning("WEIGHT BROADCAST UNAVAILABLE: %s -- the rest of the run publishes full weights on the "
                         "filesystem instead", reason)
@@ -195,8 +206,9 @@ class WeightPublisher:
         """After resuming at `step` (0: no checkpoint). A restarted server holds nothing that was broadcast, so when
         the run uses (or used) the broadcast, snapshots newer than `step` go (their steps are trained again) and
         version `step` is made loadable from disk; what comes next travels through the group."""
-        uses_markers = self.cfg.transfer == "broadcast" or any(
+        uses_markers = self.cfg.transfer in ("broadcast", "shared") or any(
             transport.broadcast_marker(transport.weights_dir(self.run_dir, s)) is not None
+            or shared_marker(transport.weights_dir(self.run_dir, s)) is not None
             for s in transport.stable_steps(self.run_dir))
         if not self._agree(not uses_markers):
             if self.dist.is_main and (removed := transport.remove_after(self.run_dir, step)):
@@ -212,6 +224,11 @@ class WeightPublisher:
         """Publish policy version `step`; return its metrics."""
         metrics: dict[str, Any] = {}
         marker = None
+        if self.mode == "shared" and not is_last and not also_full and self._share(step, metrics):
+            if self.dist.is_main and self.cfg.keep_last is not None:
+                transport.prune(self.run_dir, self.cfg.keep_last)
+            metrics["weight_transfer"] = self.label
+            return metrics
         if self.mode == "broadcast" and not is_last:
             marker = self._broadcast(step, metrics)
         started = time.perf_counter()
@@ -227,6 +244,29 @@ class WeightPublisher:
             metrics["weights_export_s"] = time.perf_counter() - started
         metrics["weight_transfer"] = self.label
         return metrics
+
+    def _share(self, step: int, metrics: dict[str, Any]) -> bool:
+        """Put version `step` into the shared buffer and publish its marker directory; False after a fall-back
+        (the server did not confirm the previous version in time: this and later versions go to the filesystem)."""
+        started = time.perf_counter()
+        segment = self.segment
+        ok = segment is None or segment.wait_until_applied(self.cfg.shared_timeout_s)
+        if not self._agree(ok):
+            self._fall_back(f"inference did not apply shared weights step {segment.written if segment else '?'} "
+                            f"within {self.cfg.shared_timeout_s:.0f}s")
+            return False
+        waited = time.perf_counter() - started
+        state = self.policy.state_dict()
+        tensors = {}
+        for entry in export_plan(self.policy, self.dtype):  # every rank takes part in the gathers
+            value = entry.build(lambda key: _full(state[POLICY_PREFIX + key]))
+            if segment is not None:
+                tensors[entry.name] = value
+        if segment is not None:
+            segment.fill(tensors)
+            segment.publish(step)
+        metrics.update(weights_shared_s=time.perf_counter() - started - waited, weights_shared_wait_s=waited)
+        return True
 
     def _broadcast(self, step: int, metrics: dict[str, Any]) -> dict[str, Any] | None:
         """Send version `step` through the group; the marker to publish (on every rank), or None after a failure
@@ -284,3 +324,6 @@ class WeightPublisher:
         if self.sender is not None:
             self.sender.close("the trainer finished")
             self.sender = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None

@@ -28,6 +28,7 @@ from pathlib import Path
 WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
 BROADCAST = "BROADCAST"
+SHARED = "SHARED"  # a version in the trainer's shared buffer (primerl.transport.shared)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 

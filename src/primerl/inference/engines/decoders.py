@@ -35,6 +35,15 @@ class Decoder(ABC):
     def weights_changed(self) -> None:
         """Called after the model's parameters were overwritten in place."""
 
+    def decode_many(
+        self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`len(uniforms)` decode steps in a row for rows 0..n-1 without returning to the host: each step samples
+        every row's next token over the whole vocabulary (`sampling.sample_unfiltered`, row i's temperature and
+        `uniforms[step, i]`) and feeds it to the next step. Returns (tokens, logprobs), each [steps, n], or None
+        when the decoder cannot (the caller then decodes one step at a time)."""
+        return None
+
 
 class ReferenceDecoder(Decoder):
     """Full forward of every row's sequence at every step, right-padded, without a KV cache."""

@@ -70,6 +70,9 @@ class HFEngine(Engine):
     CUDA + bfloat16 when a GPU is present, else CPU + float32. `max_batch_size` rows decode together; more requests
     wait. `decoder` "fast" uses the static-KV-cache decoder (Llama/Qwen families), "reference" the uncached HF
     forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps.
+    `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
+    them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
+    their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class HFEngine(Engine):
         max_prefill_tokens: int = 8192,
         decoder: DecoderKind = "auto",
         cuda_graphs: bool | None = None,
+        decode_steps: int = 8,
     ):
         self.model_source = model
         self.model_name = model_name or str(model)
@@ -99,6 +103,7 @@ class HFEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self.decoder_kind = decoder
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.decode_steps = decode_steps
         self.policy_version = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -379,6 +384,8 @@ class HFEngine(Engine):
             for name, tensor in tensors.items():
                 params[name].copy_(tensor)
             self.decoder.weights_changed()
+            if self.device.type == "cuda":  # done reading the source (a shared buffer may be overwritten next)
+                torch.cuda.synchronize(self.device)
         except BaseException as error:
             self._resolve(done, error)
             raise
@@ -417,8 +424,46 @@ class HFEngine(Engine):
     def _decode_step(self) -> None:
         tokens = [r.completion[-1] for r in self._rows]
         positions = [r.length - 1 for r in self._rows]
+        steps = self._chunk_steps()
+        if steps > 1:
+            requests = list(self._rows)
+            uniforms = torch.tensor(
+                [[1.0 - r.rng.random() for r in requests] for _ in range(steps)], dtype=torch.float64
+            )
+            temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+            sampled = self.decoder.decode_many(tokens, positions, temperature, uniforms)
+            if sampled is not None:
+                self._accept_chunk(requests, *sampled)
+                return
+            raise RuntimeError(f"{type(self.decoder).__name__} cannot decode several steps at once")
         logits = self.decoder.decode(tokens, positions)
         self._sample_rows(logits, 0)
+
+    def _chunk_steps(self) -> int:
+        """How many decode steps to run before returning to the host: `decode_steps`, fewer when no row needs that
+        many more tokens or the longest row would pass max_model_len, and 1 when a row filters its vocabulary
+        (top-p / top-k: sampled by the general path) or the decoder cannot chain steps."""
+        if self.decode_steps <= 1 or type(self.decoder).decode_many is Decoder.decode_many:
+            return 1
+        vocab = self.model.config.vocab_size
+        if any(r.params.top_p < 1 or 0 < r.params.top_k < vocab for r in self._rows):
+            return 1
+        wanted = max(r.params.max_tokens - len(r.completion) for r in self._rows)
+        room = self.max_model_len - max(r.length for r in self._rows)
+        return max(1, min(self.decode_steps, wanted, room))
+
+    def _accept_chunk(self, requests: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        """Record each row's tokens of a multi-step chunk in order, up to where the row finished (later tokens of a
+        finished row were decoded past its end and are dropped), then retire the finished rows."""
+        on_host = torch.stack((tokens.double(), logprobs.double())).cpu()  # one device-to-host copy per chunk
+        token_rows, logprob_rows = on_host[0].long().T.tolist(), on_host[1].T.tolist()
+        finished = []
+        for index, request in enumerate(requests):
+            for token, logprob in zip(token_rows[index], logprob_rows[index], strict=True):
+                if self._accept(request, token, logprob):
+                    finished.append(index)
+                    break
+        self._remove_rows(finished)
 
     def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample the next token of rows first_row.. from `logits`, emit them, retire finished rows."""

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from primerl.inference.engines.decoders import Decoder
+from primerl.inference.engines.sampling import sample_unfiltered
 
 _SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
 _MIN_SPAN = 128
@@ -123,11 +124,15 @@ class LlamaDecoder(Decoder):
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
         self.row_buckets = sorted({*(2**i for i in range(4) if 2**i < max_rows), *range(8, max_rows, 8), max_rows})
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.sampling_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if self.cuda_graphs:
             self.graph_pool = torch.cuda.graph_pool_handle()
             self.static_tokens = torch.zeros(max_rows, dtype=torch.long, device=self.device)
             self.static_positions = torch.zeros(max_rows, dtype=torch.long, device=self.device)
             self.static_logits = torch.zeros(max_rows, config.vocab_size, device=self.device)
+            self.static_temperature = torch.ones(max_rows, device=self.device)
+            self.static_uniform = torch.full((max_rows,), 0.5, dtype=torch.float64, device=self.device)
+            self.static_logprobs = torch.zeros(max_rows, device=self.device)
 
     # ---------------------------------------------------------------------------------------------- the cache
 
@@ -151,6 +156,7 @@ class LlamaDecoder(Decoder):
         self.v_cache = [grown(old) for old in self.v_cache or [None] * len(self.layers)]
         self.capacity = capacity
         self.graphs.clear()
+        self.sampling_graphs.clear()
 
     @torch.inference_mode()
     def weights_changed(self) -> None:
@@ -264,20 +270,78 @@ class LlamaDecoder(Decoder):
         graph.replay()
         return self.static_logits[:n]
 
-    def _capture(self, rows: int, span: int) -> torch.cuda.CUDAGraph:
+    @torch.inference_mode()
+    def decode_many(
+        self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        steps, n = uniforms.shape
+        longest = max(positions) + steps
+        self._reserve(longest)
+        span = min(_bucket(longest, [_MIN_SPAN * 2**i for i in range(32)]), self.capacity)
+        out_tokens = torch.empty(steps, n, dtype=torch.long, device=self.device)
+        out_logprobs = torch.empty(steps, n, device=self.device)
+        uniforms = uniforms.to(self.device, non_blocking=True)
+        if not self.cuda_graphs:
+            token_tensor = torch.tensor(tokens, device=self.device)
+            position_tensor = torch.tensor(positions, device=self.device)
+            temperature = temperature.to(self.device)
+            for step in range(steps):
+                logits = self._decode_forward(token_tensor, position_tensor, span)
+                token_tensor, logprobs = sample_unfiltered(logits, temperature, uniforms[step])
+                out_tokens[step], out_logprobs[step] = token_tensor, logprobs
+                position_tensor = position_tensor + 1
+            return out_tokens, out_logprobs
+        rows = _bucket(n, self.row_buckets)
+        host = torch.zeros(2, rows, dtype=torch.long)
+        host[0, :n] = torch.tensor(tokens)
+        host[1, :n] = torch.tensor(positions)
+        self.static_tokens[:rows].copy_(host[0], non_blocking=True)
+        self.static_positions[:rows].copy_(host[1], non_blocking=True)
+        self.static_temperature[:n].copy_(temperature, non_blocking=True)
+        self.static_temperature[n:rows].fill_(1.0)
+        graph = self.sampling_graphs.get((rows, span)) or self._capture(rows, span, sampling=True)
+        for step in range(steps):
+            self.static_uniform[:n].copy_(uniforms[step])
+            graph.replay()  # decode, sample, feed the sampled token back, advance the positions
+            out_tokens[step].copy_(self.static_tokens[:n])
+            out_logprobs[step].copy_(self.static_logprobs[:n])
+        return out_tokens, out_logprobs
+
+    def _sampling_step(self, rows: int, span: int) -> None:
+        """One decode step of rows 0..rows-1 with sampling, reading and writing only static buffers (capturable)."""
+        tokens, positions = self.static_tokens[:rows], self.static_positions[:rows]
+        logits = self._decode_forward(tokens, positions, span)
+        sampled, logprobs = sample_unfiltered(logits, self.static_temperature[:rows], self.static_uniform[:rows])
+        self.static_logprobs[:rows].copy_(logprobs)
+        tokens.copy_(sampled)
+        positions.add_(1)
+
+    def _capture(self, rows: int, span: int, sampling: bool = False) -> torch.cuda.CUDAGraph:
         """Capture the decode step for `rows` rows and attention span `span`. Padding rows (beyond the rows in use)
         decode token 0 at position 0 into rows nobody reads; prefill overwrites them before they are used."""
         tokens, positions, logits = self.static_tokens[:rows], self.static_positions[:rows], self.static_logits[:rows]
+
+        def step() -> None:
+            if sampling:
+                self._sampling_step(rows, span)
+            else:
+                logits.copy_(self._decode_forward(tokens, positions, span))
+
+        saved = tokens.clone(), positions.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning); writes are idempotent
+        with torch.cuda.stream(stream):  # warm-up outside the graph (lazy inits, autotuning)
             for _ in range(2):
-                logits.copy_(self._decode_forward(tokens, positions, span))
+                step()
+                tokens.copy_(saved[0])
+                positions.copy_(saved[1])
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.graph_pool):
-            logits.copy_(self._decode_forward(tokens, positions, span))
-        self.graphs[(rows, span)] = graph
+            step()
+        tokens.copy_(saved[0])  # capturing recorded the step without running it; inputs stay as they were
+        positions.copy_(saved[1])
+        (self.sampling_graphs if sampling else self.graphs)[(rows, span)] = graph
         return graph
 
 

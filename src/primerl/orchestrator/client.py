@@ -1,0 +1,233 @@
+"""The orchestrator's connections to its inference servers: one or many, and none of them dropped.
+
+Contract:
+- Idle pooled connections are retired after `KEEPALIVE_EXPIRY_S`, below the server's keep-alive
+  (`inference.keep_alive_s`, 75 s by default): the client closes an idle connection before the server does, so no
+  request is written into a connection the server is closing (the race that surfaced as `RemoteProtocolError` /
+  `ReadError` when both sides used 5 s). Against a server configured shorter, the retries below cover the race.
+- Idempotent calls are retried on transport errors with backoff, within `retry_s` in all: `GET /health`, and
+  `POST /admin/update_weights` (the server answers a snapshot it already serves without loading it again). After
+  that, one error names the server, the call and the last failure.
+- verifiers' model calls (the renderer client inside its interception server) get the same pool settings and retry
+  connection errors (a request that never reached the server is safe to send again; one that did is aborted by the
+  server when its connection closes): `install_model_client_transport()`.
+- Several servers: groups go to the least-loaded server; each weight version is loaded into every server; the policy
+  version the async bound uses is the oldest any server holds, so the bound holds per server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Self
+
+import httpx
+
+log = logging.getLogger("primerl.orchestrator")
+
+KEEPALIVE_EXPIRY_S = 4.0
+"""Idle pooled connections are closed after this long (primerl's server keeps them 75 s unless told otherwise)."""
+MODEL_CALL_RETRIES = 3
+_RETRYABLE = (httpx.TransportError,)  # connect, read, write, protocol errors; timeouts are TransportErrors too
+
+
+class InferenceUnavailable(RuntimeError):
+    """A server stayed unreachable (or kept failing) for longer than the retry budget."""
+
+
+def pool_limits() -> httpx.Limits:
+    return httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+
+
+def build_http(base_url: str, timeout_s: float) -> httpx.AsyncClient:
+    """An async client for plain-HTTP servers: the pool settings above and no TLS context (building one loads the CA
+    bundle, tens of milliseconds of CPU, which per rollout was the orchestrator's largest single cost)."""
+    return httpx.AsyncClient(
+        base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), limits=pool_limits(), verify=False
+    )
+
+
+async def with_retries(call, what: str, retry_s: float) -> httpx.Response:
+    """`await call()` until it returns a response, retrying transport errors with backoff for `retry_s` seconds."""
+    deadline = time.monotonic() + retry_s
+    delay = 0.05
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            return await call()
+        except _RETRYABLE as error:
+            if time.monotonic() + delay > deadline:
+                raise InferenceUnavailable(
+                    f"{what}: no answer after {attempt} attempt(s) in {retry_s:.0f}s: {type(error).__name__}: "
+                    f"{error or 'connection closed'}"
+                ) from error
+            if attempt == 1 or attempt % 10 == 0:
+                log.debug("%s: %s, retrying", what, type(error).__name__)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+@dataclass(eq=False)
+class Server:
+    """One inference server as the orchestrator sees it."""
+
+    url: str
+    http: httpx.AsyncClient
+    version: int = 0
+    """The newest policy version this server is known to serve."""
+    loading: int | None = None
+    """The step being loaded into it right now (its tokens may already come from it)."""
+    in_flight: int = 0
+    """Groups running against it."""
+    loaded_path: str | None = field(default=None, repr=False)
+
+    @property
+    def newest_possible_version(self) -> int:
+        return max(self.version, self.loading or 0)
+
+
+class InferencePool:
+    """The servers of a run; see the module docstring. Use as `async with InferencePool(...) as pool:`."""
+
+    def __init__(self, urls: list[str], *, admin_token: str | None, request_timeout_s: float, retry_s: float):
+        if not urls:
+            raise ValueError("at least one inference server URL is needed")
+        self.servers = [Server(url.rstrip("/"), build_http(url.rstrip("/"), request_timeout_s)) for url in urls]
+        self.admin_token = admin_token
+        self.retry_s = retry_s
+        self.last_update_s: float | None = None
+        self.changed = asyncio.Event()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.gather(*(server.http.aclose() for server in self.servers), return_exceptions=True)
+
+    @property
+    def version(self) -> int:
+        """The oldest policy version any server holds (what the async bound must use)."""
+        return min(server.version for server in self.servers)
+
+    # ------------------------------------------------------------------------------------------------ health
+
+    async def health(self, server: Server) -> dict[str, Any]:
+        response = await with_retries(lambda: server.http.get("/health"), f"GET {server.url}/health", self.retry_s)
+        response.raise_for_status()
+        body = response.json()
+        server.version = max(server.version, int(body["policy_version"]))
+        return body
+
+    async def wait_until_serving(self, timeout_s: float) -> None:
+        """Wait until every server answers /health with 200 (each may still be loading its model)."""
+
+        async def one(server: Server) -> None:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:
+                    response = await server.http.get("/health", timeout=10.0)
+                    if response.status_code == 200:
+                        server.version = int(response.json()["policy_version"])
+                        return
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"inference server at {server.url} not healthy after {timeout_s:.0f}s")
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(*(one(server) for server in self.servers))
+
+    # ----------------------------------------------------------------------------------------------- routing
+
+    @contextlib.contextmanager
+    def acquire(self) -> Iterator[Server]:
+        """The least-loaded server, counted as busy until the block ends."""
+        server = min(self.servers, key=lambda s: s.in_flight)
+        server.in_flight += 1
+        try:
+            yield server
+        finally:
+            server.in_flight -= 1
+
+    # ----------------------------------------------------------------------------------------------- weights
+
+    async def update_weights(self, step: int, path: Path) -> bool:
+        """Load snapshot `path` as policy version `step` into every server that holds an older one. Returns False
+        when a server answered 400 (the snapshot is not loadable yet, or was pruned): look again later."""
+        if self.admin_token is None:
+            raise RuntimeError("new weights appeared but no admin token is set (PRIMERL_ADMIN_TOKEN)")
+        started = time.perf_counter()
+        behind = [server for server in self.servers if server.version < step]
+        results = await asyncio.gather(*(self._update_one(server, step, path) for server in behind))
+        if not all(results):
+            return False
+        self.last_update_s = time.perf_counter() - started
+        if behind:
+            log.info(
+                "inference now serves policy version %d on %d server(s) (loaded in %.2fs)",
+                self.version, len(self.servers), self.last_update_s,
+            )
+            self.changed.set()
+        return True
+
+    async def _update_one(self, server: Server, step: int, path: Path) -> bool:
+        server.loading = step
+        try:
+            response = await with_retries(
+                lambda: server.http.post(
+                    "/admin/update_weights",
+                    json={"path": str(path), "step": step},
+                    headers={"Authorization": f"Bearer {self.admin_token}"},
+                    timeout=None,
+                ),
+                f"POST {server.url}/admin/update_weights (step {step})",
+                self.retry_s,
+            )
+        finally:
+            server.loading = None
+        if response.status_code == 400:  # pruned or replaced between listing and loading: look again next poll
+            log.warning("weights step %d not loadable yet on %s: %s", step, server.url, response.text)
+            return False
+        response.raise_for_status()
+        server.version = int(response.json()["policy_version"])
+        server.loaded_path = str(path)
+        return True
+
+
+def install_model_client_transport() -> None:
+    """Give the model clients that verifiers' interception servers build (one per endpoint config) primerl's pool
+    settings and `MODEL_CALL_RETRIES` retries of connection errors. verifiers builds them with a 5 s keep-alive
+    expiry, no retries and a TLS context; for loopback/cluster HTTP servers that is the idle-connection race and a
+    lost rollout per dropped connection. Idempotent; checked against verifiers' interception module at call time."""
+    from openai import AsyncOpenAI
+    from verifiers.v1.clients import client as clients
+    from verifiers.v1.interception import server as interception
+
+    original = clients.resolve_client
+    if getattr(interception.resolve_client, "_primerl", False):
+        return
+
+    def resolve_client(config):
+        built = original(config)
+        sdk = getattr(built, "client", None)
+        if isinstance(sdk, AsyncOpenAI) and str(sdk.base_url).startswith("http://"):
+            timeout = sdk.timeout if isinstance(sdk.timeout, httpx.Timeout) else httpx.Timeout(None, connect=30.0)
+            built.client = AsyncOpenAI(
+                base_url=sdk.base_url,
+                api_key=sdk.api_key,
+                default_headers=dict(sdk._custom_headers) or None,
+                max_retries=MODEL_CALL_RETRIES,
+                http_client=httpx.AsyncClient(timeout=timeout, limits=pool_limits(), verify=False),
+            )
+        return built
+
+    resolve_client._primerl = True  # type: ignore[attr-defined]
+    if not hasattr(interception, "resolve_client"):
+        raise RuntimeError("verifiers' interception server no longer resolves clients by `resolve_client`")
+    interception.resolve_client = resolve_client
