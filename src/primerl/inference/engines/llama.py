@@ -371,7 +371,30 @@ def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -
             tokens = decoder.decode(tokens, positions).argmax(-1).tolist()
         outputs.append(sequences)
     assert outputs[0] == outputs[1], f"fast decoder differs from the reference:\n{outputs[0]}\n{outputs[1]}"
-    print(f"ok: fast greedy decode equals the uncached reference ({model_name}, {device}, {steps} steps)")
+    # several steps per call, sampling on the device (greedy rows), through the sampling graphs on CUDA
+    fast = LlamaDecoder(model, 4, 256, cuda_graphs=device.startswith("cuda"))
+    chained = [list(p) for p in prompts]
+    tokens = fast.prefill(0, prompts).argmax(-1).tolist()
+    for _ in range(3):
+        for sequence, token in zip(chained, tokens, strict=True):
+            sequence.append(token)
+        positions = [len(sequence) - 1 for sequence in chained]
+        zeros = torch.zeros(len(prompts))
+        sampled, _ = fast.decode_many(tokens, positions, zeros, torch.full((steps // 3, len(prompts)), 0.5).double())
+        columns = sampled.T.tolist()
+        for sequence, column in zip(chained, columns, strict=True):
+            sequence.extend(column[:-1])
+        tokens = [column[-1] for column in columns]
+    reference = ReferenceDecoder(model, 4)
+    expected = [list(p) for p in prompts]
+    tokens = reference.prefill(0, prompts).argmax(-1).tolist()
+    for _ in range(len(chained[0]) - len(prompts[0])):
+        for sequence, token in zip(expected, tokens, strict=True):
+            sequence.append(token)
+        tokens = reference.decode(tokens, [len(s) - 1 for s in expected]).argmax(-1).tolist()
+    assert chained == expected, f"chained decode differs from the reference:\n{expected}\n{chained}"
+    print(f"ok: fast greedy decode equals the uncached reference ({model_name}, {device}, {steps} steps, "
+          f"one step and {steps // 3} steps per call)")
 
 
 if __name__ == "__main__":
