@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ FLAG = "--env.allow_unsandboxed_tools true"
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, probe_envs: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+def server(tiny_model_dir: Path, probe_envs: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """One inference server for the eval runs (each `eval` would otherwise start its own)."""
     with start_server(tiny_model_dir, tmp_path_factory.mktemp("server")) as running:
         yield running.base_url
