@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Start or stop a Docker daemon for the system tests, the way DESIGN §5 describes it:
-# vfs storage (works inside any container or VM), no iptables, no bridge (containers use the host or no network).
+# vfs storage (works inside any container or VM), no iptables; the default bridge network stays (verifiers' docker
+# runtime starts its containers on it; the image tests choose host or no network themselves).
 #
 # usage: ci/dockerd.sh start    reuse a daemon whose socket answers; otherwise start one in the background,
 #                               record its pid and wait until it answers. Prints "reused" or "started".
@@ -21,7 +22,7 @@ start)
     command -v dockerd >/dev/null || "$(dirname "$0")/apt-install.sh" docker.io
     mkdir -p "$state"
     # setsid: the daemon outlives this script and is not hit by the caller's terminal signals.
-    setsid dockerd --storage-driver=vfs --iptables=false --bridge=none >"$log" 2>&1 < /dev/null &
+    setsid dockerd --storage-driver=vfs --iptables=false >"$log" 2>&1 < /dev/null &
     echo $! > "$pidfile"
     for _ in $(seq 1 120); do
         if answers; then echo started; exit 0; fi

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +26,36 @@ def smollm2_dir() -> Path:
     from primerl.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+PROBE_PACKAGES = Path(__file__).parent / "environments" / "packages"
+
+
+@pytest.fixture(scope="session")
+def probe_envs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The test environment packages under tests/environments/packages/ (one per shape verifiers 0.4 allows: a
+    taskset alone, a taskset with its own harness, a tool environment, a multi-turn env), built and installed into a
+    fresh target directory, as a user installs an environment next to primerl. The directory is on this process's
+    sys.path and on PYTHONPATH for the processes the tests start, so verifiers resolves the ids
+    (probe-taskset, ...) by importing the installed modules."""
+    uv = shutil.which("uv")
+    if uv is None:
+        pytest.fail("the test environment packages are installed with uv, which is not on PATH")
+    site = tmp_path_factory.mktemp("probe-envs")
+    packages = sorted(str(p) for p in PROBE_PACKAGES.iterdir() if (p / "pyproject.toml").is_file())
+    done = subprocess.run([uv, "pip", "install", "--no-deps", "--python", sys.executable, "--target", str(site),
+                           *packages], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"installing the test environment packages failed:\n{done.stderr[-3000:]}")
+    sys.path.insert(0, str(site))
+    previous = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), previous]))
+    yield site
+    sys.path.remove(str(site))
+    if previous is None:
+        os.environ.pop("PYTHONPATH")
+    else:
+        os.environ["PYTHONPATH"] = previous
 
 
 @pytest.fixture

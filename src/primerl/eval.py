@@ -6,7 +6,10 @@ Without `--base_url` it starts `primerl inference` for the model (log in `<outpu
 at the end; with `--base_url` it evaluates any OpenAI-compatible server. Each task gets k rollouts through verifiers'
 own machinery (the same environments and harnesses as training). Results go to `<output_dir>/results.json`:
     {"env", "model", "k", "num_examples", "avg@k", "pass@k", "pass@1", "reward_std", "errors", "seconds",
-     "rollouts_per_s", "examples": [{"task_id", "rewards"}, ...]}
+     "rollouts_per_s", "examples": [{"task_id", "rewards", "errors"}, ...]}
+`task_id` is the task's stable id (its durable id, else its content key); `errors` holds each rollout's error in one
+line (null when it succeeded). When every rollout failed, results.json is still written and eval exits 1 with the
+first error on one line.
 avg@k is the mean reward over all rollouts; pass@k the fraction of tasks with at least one rollout whose reward reaches
 `pass_threshold`; pass@1 the mean per-rollout pass rate (the unbiased pass@1 estimate from k samples).
 """
@@ -70,12 +73,12 @@ async def wait_until_serving(base_url: str, timeout_s: float) -> None:
             await asyncio.sleep(0.5)
 
 
-async def evaluate(cfg: EvalConfig, base_url: str) -> dict[str, Any]:
+async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:
+    """Run `cfg`'s rollouts of `env` (a loaded `vf.Env`) against the server at `base_url`."""
     import verifiers.v1 as vf
 
     from primerl.orchestrator import rollouts as bridge
 
-    env = bridge.load_env(cfg.env.id, **cfg.env.args)
     tasks = select_tasks(env.taskset, cfg.num_examples, cfg.seed)
     if cfg.client == "token":
         from primerl.models import resolve_model
@@ -101,13 +104,11 @@ async def evaluate(cfg: EvalConfig, base_url: str) -> dict[str, Any]:
             *(asyncio.gather(*(rollout(task) for _ in range(cfg.rollouts_per_example))) for task in tasks)
         )
     seconds = time.monotonic() - started
-    examples, errors = [], 0
+    examples = []
     for task, rollouts in zip(tasks, per_task):
-        rewards = []
-        for samples in rollouts:
-            rewards.append(float(samples[0].reward) if samples else 0.0)  # one reward per rollout
-            errors += any(s.error is not None for s in samples)
-        examples.append({"task_id": task.data.id, "rewards": rewards})
+        rewards = [float(samples[0].reward) if samples else 0.0 for samples in rollouts]  # one reward per rollout
+        errors = [next((bridge.one_line(s.error) for s in samples if s.error is not None), None) for samples in rollouts]
+        examples.append({"task_id": bridge.task_id(task), "rewards": rewards, "errors": errors})
     k = cfg.rollouts_per_example
     return {
         "env": cfg.env.id,
@@ -116,7 +117,7 @@ async def evaluate(cfg: EvalConfig, base_url: str) -> dict[str, Any]:
         "num_examples": len(examples),
         **summarize([e["rewards"] for e in examples], k, cfg.pass_threshold),
         "pass_threshold": cfg.pass_threshold,
-        "errors": errors,
+        "errors": sum(error is not None for e in examples for error in e["errors"]),
         "seconds": round(seconds, 3),
         "rollouts_per_s": len(examples) * k / seconds if seconds > 0 else None,
         "examples": examples,
@@ -145,11 +146,17 @@ def start_server(cfg: EvalConfig):
 def run_eval(cfg: EvalConfig) -> int:
     """Evaluate and write `<output_dir>/results.json`; return the exit code."""
     from primerl.launch.processes import stop_all
+    from primerl.orchestrator.rollouts import UnsandboxedToolsError, env_from_config
 
+    try:
+        env = env_from_config(cfg.env)  # before a server starts: a refused environment costs nothing
+    except UnsandboxedToolsError as e:
+        print(f"primerl eval: config error: {e}", file=sys.stderr)
+        return 2
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     server, base_url = (None, cfg.base_url) if cfg.base_url else start_server(cfg)
     try:
-        results = asyncio.run(_evaluate_watching(cfg, base_url, server))
+        results = asyncio.run(_evaluate_watching(cfg, base_url, server, env))
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - reported in one line (with the server's log when it is ours)
@@ -168,12 +175,17 @@ def run_eval(cfg: EvalConfig) -> int:
     print(f"eval {results['env']} | {results['model']} | {results['num_examples']} tasks x {k} | "
           f"avg@{k} {results[f'avg@{k}']:.4f} | pass@{k} {results[f'pass@{k}']:.4f} | pass@1 {results['pass@1']:.4f} | "
           f"errors {results['errors']} | {results['seconds']:.1f}s -> {path}")
+    rollouts = results["num_examples"] * k
+    if results["errors"] == rollouts:
+        first = next(error for e in results["examples"] for error in e["errors"])
+        print(f"primerl eval: every rollout failed ({rollouts} of {rollouts}); first error: {first}", file=sys.stderr)
+        return 1
     return 0
 
 
-async def _evaluate_watching(cfg: EvalConfig, base_url: str, server) -> dict[str, Any]:
+async def _evaluate_watching(cfg: EvalConfig, base_url: str, server, env: Any) -> dict[str, Any]:
     """`evaluate`, aborted early if the server eval started dies."""
-    work = asyncio.create_task(evaluate(cfg, base_url))
+    work = asyncio.create_task(evaluate(cfg, base_url, env))
     while not work.done():
         await asyncio.wait({work}, timeout=0.5)
         if server is not None and server.poll() is not None and not work.done():

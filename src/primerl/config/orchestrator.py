@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -11,11 +11,41 @@ from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig
 
 
+class RuntimeSection(Section):
+    """Where each rollout's harness program and tools run (verifiers runtimes)."""
+
+    type: Literal["subprocess", "docker"] = Field(
+        "subprocess",
+        description="subprocess = this host, no sandbox (in-process harnesses start nothing in it); docker = one "
+        "container per rollout on the local Docker daemon",
+    )
+    image: str = Field("python:3.11-slim", description="docker: the image each rollout's container runs (needs python3)")
+    cpu: float | None = Field(None, gt=0, description="docker: CPU cores per container (None: no limit)")
+    memory: float | None = Field(None, gt=0, description="docker: memory per container in GB (None: no limit)")
+
+    def verifiers_config(self) -> dict[str, Any]:
+        """The verifiers `RuntimeConfig` fields of this runtime."""
+        if self.type == "subprocess":
+            return {"type": "subprocess"}
+        return {"type": "docker", "image": self.image, "cpu": self.cpu, "memory": self.memory}
+
+
 class EnvSection(Section):
     """The verifiers environment the rollouts run in, by id (an installed environment package)."""
 
     id: str = Field("reverse-text", description="environment id, e.g. reverse-text, alphabet-sort, wordle, math")
     args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the environment's loader")
+    harness: str | None = Field(
+        None,
+        description="harness id for every agent role: primerl-chat (the in-process chat loop), a verifiers harness "
+        "(null, bash, ...) or an installed harness package (None: the taskset's own harness, else primerl-chat)",
+    )
+    runtime: RuntimeSection = Field(default_factory=RuntimeSection, description="where harness programs and tools run")
+    allow_unsandboxed_tools: bool = Field(
+        False,
+        description="let a harness that gives the model a shell or file tools run on this host with runtime.type "
+        "subprocess (no sandbox); without it such a harness needs runtime.type docker",
+    )
 
 
 class ClientSection(Section):

@@ -7,8 +7,13 @@ package install per rollout.
 
 `ChatHarness` contract: each segment runs one chat loop against the rollout's interception endpoint (model calls are
 recorded there, token ids included when the run's client is the renderer client); the model's tool calls are answered
-by the harness's `tools` (plain Python functions, executed in-process); a reply without tool calls ends the segment.
-Multi-turn exchanges resume on the accumulated conversation (`SUPPORTS_RESUME`).
+by the harness's `tools` (plain Python functions, executed in-process) and `runtime_tools` (tools that execute in the
+rollout's runtime); a reply without tool calls ends the segment. Multi-turn exchanges resume on the accumulated
+conversation (`SUPPORTS_RESUME`). `ChatHarness` itself is also the harness id `primerl-chat`: what a taskset without
+a harness of its own runs with.
+
+`ShellHarness` gives the model a `shell` tool whose commands run in the rollout's runtime: it executes model-written
+code, so it runs in a container runtime (docker) unless the user allows unsandboxed tools (see `rollouts.load_env`).
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 import verifiers.v1 as vf
 from openai import APIError, AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
+from verifiers.v1.runtimes.docker.egress import _CALLBACK_PREFIX as CALLBACK_PREFIX
 
 from primerl.orchestrator.client import pool_limits
 
@@ -115,6 +122,22 @@ def _interception_http() -> httpx.AsyncClient:
     return client
 
 
+def in_process_endpoint(endpoint: str, runtime: vf.Runtime) -> str:
+    """The interception endpoint as this process reaches it. verifiers hands a harness the endpoint its program would
+    use from inside the runtime: a container runtime turns the host-loopback URL into a route of its egress proxy
+    (`/.vf-host/<token>/...` on a port inside the container), which only the container can reach. An in-process harness
+    maps it back through the proxy's callback table (verifiers has no public accessor for it)."""
+    parts = urlsplit(endpoint)
+    proxy = getattr(runtime, "_proxy", None)
+    if proxy is None or not parts.path.startswith(CALLBACK_PREFIX):
+        return endpoint
+    token, _, path = parts.path[len(CALLBACK_PREFIX) :].partition("/")
+    callback = proxy._callbacks.get(token)
+    if callback is None:
+        raise vf.HarnessError(f"the runtime's egress proxy knows no callback route for {endpoint}")
+    return urlunsplit((callback.scheme, callback.authority, f"/{path}", parts.query, ""))
+
+
 class ChatHarnessConfig(vf.HarnessConfig):
     max_tool_rounds: int = 8
     """Tool-call rounds one segment may take before the harness stops answering tools and ends the segment."""
@@ -129,7 +152,12 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
     NEEDS_CONTAINER = False
 
     def tools(self) -> list[Tool]:
-        """The tools offered to the model on every turn (none by default)."""
+        """The in-process tools offered to the model on every turn (none by default)."""
+        return []
+
+    def runtime_tools(self, runtime: vf.Runtime) -> list[Tool]:
+        """Tools that act in this rollout's `runtime` (none by default). A harness that returns any must set
+        `EXECUTES_CODE = True`, so it is never run unsandboxed on the host unless the user allows it."""
         return []
 
     async def launch(
@@ -150,9 +178,12 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         elif prompt:
             messages.extend(message_to_wire(message) for message in prompt)
-        tools = {tool.name: tool for tool in self.tools()}
+        tools = {tool.name: tool for tool in [*self.tools(), *self.runtime_tools(runtime)]}
         specs = [tool.spec() for tool in tools.values()]
-        client = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0, http_client=_interception_http())
+        client = AsyncOpenAI(
+            base_url=in_process_endpoint(endpoint, runtime), api_key=secret, max_retries=0,
+            http_client=_interception_http(),
+        )
         try:
             await self._chat(client, ctx.model, messages, tools, specs)
         except APIError as error:
@@ -186,3 +217,44 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
                 messages.append(
                     {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": content}
                 )
+
+
+class ShellHarnessConfig(ChatHarnessConfig):
+    command_timeout_s: float = 30.0
+    """A `shell` command running longer than this is stopped (coreutils `timeout` in the runtime); the model sees a
+    timeout error."""
+    max_output_chars: int = 4000
+    """The tool result keeps the last this many characters of the command's output."""
+
+
+TIMEOUT_EXIT, TIMEOUT_KILLED_EXIT = 124, 137  # coreutils `timeout`: the command timed out / needed SIGKILL
+
+
+class ShellHarness(ChatHarness, vf.Harness[ShellHarnessConfig]):
+    """`ChatHarness` with a `shell` tool: `sh -c <command>` in the rollout's runtime (a container with the docker
+    runtime). The model's code runs there, never in the orchestrator."""
+
+    EXECUTES_CODE = True
+
+    def runtime_tools(self, runtime: vf.Runtime) -> list[Tool]:
+        async def shell(command: str) -> str:
+            # `timeout` runs inside the runtime, so an overlong command is killed there, not left behind.
+            limit = f"{self.config.command_timeout_s:g}"
+            result = await runtime.run(["timeout", "-k", "5", limit, "sh", "-c", command], {})
+            if result.exit_code in (TIMEOUT_EXIT, TIMEOUT_KILLED_EXIT):
+                return f"error: the command ran longer than {limit}s and was stopped"
+            output = (result.stdout + result.stderr)[-self.config.max_output_chars :]
+            return f"exit code {result.exit_code}\n{output}"
+
+        return [
+            Tool(
+                name="shell",
+                description="Run a shell command (sh -c) in your sandbox; returns its exit code and output.",
+                parameters={
+                    "type": "object",
+                    "properties": {"command": {"type": "string", "description": "the command line"}},
+                    "required": ["command"],
+                },
+                fn=shell,
+            )
+        ]

@@ -53,6 +53,10 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 MAX_FAILED_GROUPS_IN_A_ROW = 16  # groups whose every rollout errored, in a row, before the orchestrator gives up
 
 
+class RolloutsFailing(RuntimeError):
+    """Every rollout of `MAX_FAILED_GROUPS_IN_A_ROW` groups in a row failed: the run cannot produce a batch."""
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Progress that survives a restart
 
@@ -288,7 +292,7 @@ class Orchestrator:
         self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
         warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
         await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
-        env = bridge.load_env(cfg.env.id, **cfg.env.args)
+        env = bridge.env_from_config(cfg.env)
         self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn)
         self.sampling = vf.SamplingConfig(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
@@ -381,10 +385,10 @@ class Orchestrator:
         if group.failed:
             self.stats.unused_groups.append(group)
             self.failed_in_a_row += 1
-            error = next((s.error for s in group.samples if s.error), "unknown error")
+            error = bridge.one_line(next((s.error for s in group.samples if s.error), "unknown error"))
             log.warning("every rollout of task %s failed: %s", group.task_id, error)
             if self.failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
-                raise RuntimeError(f"{self.failed_in_a_row} groups in a row failed entirely; last error: {error}")
+                raise RolloutsFailing(f"{self.failed_in_a_row} groups in a row failed entirely; last error: {error}")
             return
         self.failed_in_a_row = 0
         zero = is_zero_advantage(list(group.advantages.values()))
@@ -497,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 130
+    except bridge.UnsandboxedToolsError as e:
+        log.error("config error: %s", e)
+        return 2
+    except RolloutsFailing as e:
+        log.error("orchestrator failed: %s", e)
+        return 1
     except Exception:
         log.exception("orchestrator failed")
         return 1

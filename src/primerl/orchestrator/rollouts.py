@@ -30,6 +30,7 @@ from typing import Any
 import httpx
 import verifiers.v1 as vf
 from renderers import RendererConfig
+from verifiers.v1.utils.loaders import harness_class
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,8 @@ class Sample:
 
     env: str
     """Environment id the rollout came from."""
-    task_id: str | None
-    """The task's durable id (`TaskData.id`)."""
+    task_id: str
+    """The task's stable id (`task_id`: its durable `TaskData.id`, else its content key)."""
     trace_id: str
     """The verifiers trace this sample was cut from (several samples may share one)."""
     input_ids: list[int]
@@ -81,19 +82,90 @@ class Sample:
         return sum(self.loss_mask)
 
 
-def load_env(env_id: str, *, agent: dict[str, Any] | None = None, **taskset_args: Any) -> vf.Env:
+DEFAULT_HARNESS = "primerl-chat"
+"""The harness of a taskset that ships none: `envkit.ChatHarness`, in-process (verifiers alone would pick `bash`)."""
+UNSANDBOXED_FLAG = "env.allow_unsandboxed_tools"
+
+
+class UnsandboxedToolsError(ValueError):
+    """A harness that executes model-directed code was configured to run on the host without a sandbox."""
+
+
+def load_env(
+    env_id: str,
+    *,
+    harness: str | None = None,
+    runtime: dict[str, Any] | None = None,
+    allow_unsandboxed_tools: bool = False,
+    agent: dict[str, Any] | None = None,
+    **taskset_args: Any,
+) -> vf.Env:
     """The environment installed under `env_id` (e.g. `reverse-text`), resolved the way verifiers resolves it: the
-    taskset package, its `Env` (or the single-agent env) and its default harness. Every agent role runs in the local
-    subprocess runtime (in-process harnesses never start a process in it); `agent` overrides each role's
-    `vf.AgentConfig` fields (e.g. `{"max_turns": 4}`); `taskset_args` are the taskset's config fields."""
-    role_names = [
-        name
+    taskset package and its `Env` (or the single-agent env).
+
+    Each agent role runs `harness` (a harness id) when given; otherwise the harness its env pins, else the taskset's
+    own, else `DEFAULT_HARNESS`. Every role runs in `runtime` (a verifiers `RuntimeConfig` as a dict; default the
+    local subprocess runtime, in which in-process harnesses start nothing). A harness that gives the model a shell or
+    file tools (verifiers' `EXECUTES_CODE`), or that needs a container, is refused on the subprocess runtime with
+    `UnsandboxedToolsError` unless `allow_unsandboxed_tools`. `agent` overrides each role's `vf.AgentConfig` fields
+    (e.g. `{"max_turns": 4}`); `taskset_args` are the taskset's config fields."""
+    roles = {
+        name: info.default
         for name, info in vf.env_config_type(env_id).model_fields.items()
         if isinstance(info.default, vf.AgentConfig)
-    ]
-    role = {"runtime": {"type": "subprocess"}, **(agent or {})}
-    config = vf.resolve_env_config({"taskset": {"id": env_id, **taskset_args}, **dict.fromkeys(role_names, role)})
+    }
+    fallback = harness or (env_id if vf.default_harness_id(env_id) == env_id else DEFAULT_HARNESS)
+    common = {"runtime": runtime or {"type": "subprocess"}, **(agent or {})}
+
+    def role(default: vf.AgentConfig) -> dict[str, Any]:
+        pinned = default.harness is not None and harness is None
+        return common if pinned else {**common, "harness": {"id": fallback}}
+
+    config = vf.resolve_env_config(
+        {"taskset": {"id": env_id, **taskset_args}, **{name: role(default) for name, default in roles.items()}}
+    )
+    if not allow_unsandboxed_tools:
+        refuse_unsandboxed(config)
     return vf.load_environment(config)
+
+
+def refuse_unsandboxed(config: vf.EnvConfig) -> None:
+    """Raise `UnsandboxedToolsError` when a role's harness would execute model-directed code on this host."""
+    for role, harness_config in config.agent_harnesses().items():
+        runtime = getattr(config, role).runtime
+        harness = harness_class(harness_config.id)
+        if isinstance(runtime, vf.SubprocessConfig) and (harness.EXECUTES_CODE or harness.NEEDS_CONTAINER):
+            what = "gives the model a shell or file tools" if harness.EXECUTES_CODE else "needs a container"
+            raise UnsandboxedToolsError(
+                f"harness {harness_config.id!r} {what} and would run unsandboxed on this host (runtime subprocess): "
+                f"use --env.runtime.type docker, or set --{UNSANDBOXED_FLAG} true to run it on this host anyway"
+            )
+
+
+def env_from_config(section: Any) -> vf.Env:
+    """`load_env` for a config's `env` section (`primerl.config.orchestrator.EnvSection`)."""
+    return load_env(
+        section.id,
+        harness=section.harness,
+        runtime=section.runtime.verifiers_config(),
+        allow_unsandboxed_tools=section.allow_unsandboxed_tools,
+        **section.args,
+    )
+
+
+def task_id(task: vf.Task) -> str:
+    """A task's stable id: its durable `id` when the taskset gives one, else its content key (`Task.key`)."""
+    return task.data.id or task.key
+
+
+def one_line(error: str) -> str:
+    """A rollout error on one line, keeping what says why: a harness error carries its program's output (a
+    traceback's end), whose last line is the root cause, after the line saying which harness failed."""
+    lines = [line.strip() for line in error.strip().splitlines() if line.strip()]
+    if len(lines) <= 1:
+        return lines[0] if lines else error
+    head = lines[0].rsplit(": ", 1)[0] if ": " in lines[0] else lines[0]
+    return f"{head}: {lines[-1]}"
 
 
 def train_client(
@@ -151,7 +223,7 @@ def samples_from_episode(episode: vf.Episode, policy_versions: tuple[int, int]) 
             continue
         common: dict[str, Any] = {
             "env": episode.env.id,
-            "task_id": trace.task.data.id,
+            "task_id": trace.task.data.id or trace.task.key,
             "trace_id": trace.id,
             "reward": trace.reward,
             "rewards": {name: r.score for name, r in trace.rewards.items() if r is not None},
