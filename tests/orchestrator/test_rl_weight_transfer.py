@@ -65,3 +65,13 @@ def test_sft_refuses_the_broadcast():
 
     with pytest.raises(ConfigError, match="SFT writes its weights to the filesystem"):
         load(SFTConfig, ["--weights.transfer=broadcast", "--weights.broadcast.port=29500"])
+
+
+def test_shared_needs_one_device_and_the_embedded_engine():
+    inference, _, trainer = resolve("--weight_transfer=shared").process_configs(CPU, BASE_URL)
+    assert inference.weight_transfer == trainer.weights.transfer == "shared"
+    assert resolve("--weight_transfer=shared").assign_devices(1) == DeviceAssignment([0], [0])
+    with pytest.raises(ValueError, match="needs the server and trainer rank 0 on one device"):
+        resolve("--weight_transfer=shared").assign_devices(2)
+    with pytest.raises(ConfigError, match="needs the embedded engine"):
+        resolve("--weight_transfer=shared", "--inference.engine=vllm")

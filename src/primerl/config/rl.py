@@ -138,6 +138,13 @@ class RLConfig(ProcessConfig):
         return self
 
     @model_validator(mode="after")
+    def _shared_needs_the_embedded_engine(self) -> RLConfig:
+        if self.weight_transfer == "shared" and self.inference.engine != "hf":
+            raise ValueError("weight_transfer = 'shared' needs the embedded engine (inference.engine = 'hf'); "
+                             "use 'broadcast' or 'filesystem' with vLLM")
+        return self
+
+    @model_validator(mode="after")
     def _devices_valid(self) -> RLConfig:
         # What can be checked without knowing the host's GPUs fails when the config is resolved, not at launch.
         self._check_devices(self.devices.inference, self.devices.trainer)
