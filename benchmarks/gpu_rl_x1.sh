@@ -7,7 +7,7 @@
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 to /tmp
 #   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01
-#   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 24 RL steps with its weights
+#   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
 #
 # Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
@@ -90,7 +90,7 @@ learn)
         python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/pyspy/*.whl && spy=/tmp/pyspy/bin/py-spy
     fi
     mkdir -p /tmp/learn-prof
-    run learn 420 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --skip-trl --rounds 1 --steps 24 \
+    run learn 330 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --skip-trl --rounds 1 --steps 20 \
         --model smollm2-135m-instruct --bf16 --prompts-per-step 16 --group 8 --new-tokens 64 --lr 2e-5 --seq-len 2048 \
         --max-batch-size 128 --weight-transfer shared --work-dir /tmp/learn --out "$out/gpu_reverse_text_h200.json" &
     learn_pid=$!
@@ -107,8 +107,8 @@ learn)
         wait $(jobs -p | grep -v "^$learn_pid$") 2>/dev/null
     fi
     wait "$learn_pid"
-    run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes shared,filesystem --repeats 3 \
-        --no-nccl-probe --budget-s 140 --logs-dir /tmp/learn-prof/wt --out "$out/weight_transfer_h200.json"
+    run weight_transfer 110 python3 benchmarks/weight_transfer.py --modes shared --repeats 3 \
+        --no-nccl-probe --budget-s 100 --logs-dir /tmp/learn-prof/wt --out "$out/weight_transfer_h200.json"
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
     ;;
