@@ -1,10 +1,11 @@
-"""Fixtures of the system tier that need a Docker daemon: the daemon itself (reused when one answers, otherwise
+"""Fixtures of the system tier: a Docker daemon (reused when one answers, otherwise
 started by ci/dockerd.sh and stopped at the end), and a Debian base image made by ci/base-image.sh."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from docker_helpers import CI, run_in_image
@@ -52,3 +53,35 @@ def base_python(docker_client, base_image) -> str:
     )
     assert code == 0, out
     return out.strip()
+
+
+# ---------------------------------------------------------------------------------------------------------- launchers
+
+LAUNCHER_TESTS_VAR = "PRIMERL_LAUNCHER_TESTS"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
+# The heavy checklist steps run whole processes; the launcher tests run the light ones on every host (the heavy ones
+# are the checklist's own tests).
+CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
+
+
+def _launcher_tests_enabled() -> None:
+    if os.environ.get(LAUNCHER_TESTS_VAR) != "1":
+        pytest.skip(
+            f"launcher tests are opt-in ({LAUNCHER_TESTS_VAR}=1 pytest -m launchers; .ci/run runs them as their own "
+            "group): they need root for network namespaces, sshd and Slurm's daemons, and run the tiny recipe "
+            "several times (docs/launch.md)"
+        )
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two hosts `a` and `b` (network namespaces with their own sshd) and a launcher namespace."""
+    _launcher_tests_enabled()
+    from netns_hosts import Cluster, missing_tools
+
+    why = missing_tools()
+    if why:
+        pytest.skip(f"cannot make SSH hosts here: {why}")
+    hosts = Cluster(tmp_path_factory.mktemp("cluster"), ["a", "b"])
+    yield hosts
+    hosts.close()
