@@ -103,10 +103,11 @@ class Cluster:
             f"UsePAM no\nStrictModes no\nPidFile {self.workdir}/sshd_{host.name}.pid\nMaxSessions 50\n"
             "MaxStartups 50\nLogLevel ERROR\nAcceptEnv none\nPrintMotd no\n"
         )
-        host.sshd = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, SSHD, "-D", "-e", "-f", str(config)],
-            stdout=subprocess.DEVNULL, stderr=open(self.workdir / f"sshd_{host.name}.log", "wb"),
-        )
+        with open(self.workdir / f"sshd_{host.name}.log", "wb") as log:
+            host.sshd = subprocess.Popen(
+                ["ip", "netns", "exec", host.netns, SSHD, "-D", "-e", "-f", str(config)],
+                stdout=subprocess.DEVNULL, stderr=log,
+            )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.exec(host.name, "bash", "-c", f"exec 3<>/dev/tcp/{host.address}/22", check=False).returncode == 0:

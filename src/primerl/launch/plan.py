@@ -171,8 +171,8 @@ class LaunchPlan:
         """The plan as text (`--dry-run`): software, files, then each process with its host and command."""
         sw = self.software
         where = f"uv environment {sw.python}" if sw.kind == "uv" else f"image {sw.image}"
-        lines = [f"plan: recipe {self.recipe.name} ({self.recipe_on_hosts}) | {self.max_steps} steps | run dir "
-                 f"{self.run_dir} | {where}",
+        lines = [(f"plan: recipe {self.recipe.name} ({self.recipe_on_hosts}) | {self.max_steps} steps | run dir "
+                  f"{self.run_dir} | {where}"),
                  f"checklist on every host: {' '.join(self.checklist_args('<host>')[2:])}",
                  "files: " + ", ".join(sorted(self.files)) + f", {ADMIN_TOKEN_FILE} (0600)"]
         width = max(len(p.label) for p in self.processes)

@@ -21,7 +21,6 @@ import io
 import json
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -63,7 +62,7 @@ def connect(host: HostSection, timeout_s: float):
         conn.open()
     except paramiko.AuthenticationException as e:
         raise HostError(f"refused the login of {where} ({e})") from None
-    except (OSError, socket.timeout, paramiko.SSHException) as e:
+    except (TimeoutError, OSError, paramiko.SSHException) as e:
         raise HostError(f"unreachable at {where}: {e}") from None
     return conn
 
