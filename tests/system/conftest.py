@@ -85,3 +85,17 @@ def cluster(tmp_path_factory):
     hosts = Cluster(tmp_path_factory.mktemp("cluster"), ["a", "b"])
     yield hosts
     hosts.close()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A one-node Slurm cluster (munged, slurmctld, slurmd) for the session; clients use `slurm.env`."""
+    _launcher_tests_enabled()
+    from slurm_cluster import SlurmCluster, missing_tools
+
+    why = missing_tools()
+    if why:
+        pytest.skip(f"cannot start Slurm here: {why}")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.close()

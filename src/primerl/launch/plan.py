@@ -19,6 +19,7 @@ the process (its whole process group) when the launcher says so or the connectio
 
 from __future__ import annotations
 
+import json
 import secrets
 import shlex
 from collections.abc import Callable, Mapping, Sequence
@@ -230,10 +231,11 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
     try:
         inference, orchestrator, trainer = cfg.with_devices(devices).process_configs(devices, base_url=urls[0])
         orchestrator.batch.num_ranks = world
-        if len(urls) > 1:
-            orchestrator.client.base_urls = urls
     except (ValueError, pydantic.ValidationError) as e:
         raise PlanError(f"rl: {e}".splitlines()[0]) from None
+    if len(urls) > 1 and "base_urls" not in type(orchestrator.client).model_fields:
+        raise PlanError(f"deploy.roles.inference lists {len(urls)} servers, but this build's orchestrator talks to "
+                        "one (no client.base_urls): list one inference host")
 
     config = PurePosixPath(deploy.run_dir) / "config"
     try:
@@ -257,9 +259,11 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
             ("-m", "primerl.cli", "inference", "@", str(config / "inference.toml"),
              "--host", address_of(host), "--port", str(port)),
             env, needs_token=True))
+    # the servers' URLs on the command line too: a Slurm job knows its nodes' names only when it runs
+    servers_option = ("--client.base_url", urls[0]) if len(urls) == 1 else ("--client.base_urls", json.dumps(urls))
     processes.append(RoleProcess(
         "orchestrator", roles.orchestrator, 0,
-        ("-m", "primerl.cli", "orchestrator", "@", str(config / "orchestrator.toml")),
+        ("-m", "primerl.cli", "orchestrator", "@", str(config / "orchestrator.toml"), *servers_option),
         dict(host_env[roles.orchestrator], CUDA_VISIBLE_DEVICES=""), needs_token=True))
     trainer_program = ("-m", "primerl.cli", "trainer", "@", str(config / "trainer.toml"))
     for rank, host in enumerate(roles.trainer):
