@@ -199,6 +199,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
                 shell.write(job.plan.path(relative), text)
             shell.write(job.plan.path(ADMIN_TOKEN_FILE), job.plan.admin_token, private=True)
         shell.write(job.script_path, job.script)
+        shell.run(f"mkdir -p {shlex.quote(job.log.rsplit('/', 1)[0])}")  # Slurm does not create the log's directory
         code, text = shell.run(f"sbatch --parsable {shlex.quote(job.script_path)}")
         if code != 0:
             print(f"{prog}: sbatch failed: {text.strip().splitlines()[-1] if text.strip() else code}", file=sys.stderr)
