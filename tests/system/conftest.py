@@ -4,6 +4,7 @@ started by ci/dockerd.sh and stopped at the end), and a Debian base image made b
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -64,6 +65,20 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
 CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
 
 
+def _install_if_missing(packages: list[str], missing) -> str | None:
+    """`missing()` says why the tools are unusable (None: usable); when it says so, install `packages` with apt-get
+    (root only) and ask again. The reason returned is the skip reason."""
+    why = missing()
+    if why is None or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return why
+    done = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
+                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        return f"{why}; apt-get install {' '.join(packages)} failed: {done.stderr.strip().splitlines()[-1:]}"
+    return missing()
+
+
 def _launcher_tests_enabled() -> None:
     if os.environ.get(LAUNCHER_TESTS_VAR) != "1":
         pytest.skip(
@@ -79,7 +94,7 @@ def cluster(tmp_path_factory):
     _launcher_tests_enabled()
     from netns_hosts import Cluster, missing_tools
 
-    why = missing_tools()
+    why = _install_if_missing(["openssh-server", "iproute2"], missing_tools)
     if why:
         pytest.skip(f"cannot make SSH hosts here: {why}")
     hosts = Cluster(tmp_path_factory.mktemp("cluster"), ["a", "b"])
@@ -93,7 +108,7 @@ def slurm(tmp_path_factory):
     _launcher_tests_enabled()
     from slurm_cluster import SlurmCluster, missing_tools
 
-    why = missing_tools()
+    why = _install_if_missing(["slurm-wlm", "munge"], missing_tools)
     if why:
         pytest.skip(f"cannot start Slurm here: {why}")
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))

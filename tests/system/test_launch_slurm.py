@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,13 +18,17 @@ from primerl.monitor import read_metrics
 pytestmark = pytest.mark.launchers
 
 
-def launch(slurm, tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
-    run_dir = tmp_path / "run"
-    deploy = {"target": "slurm", "run_dir": str(run_dir), "checklist_skip": CHECKLIST_SKIP,
+def launch_command(tmp_path: Path, *overrides: str) -> list[str]:
+    deploy = {"target": "slurm", "run_dir": str(tmp_path / "run"), "checklist_skip": CHECKLIST_SKIP,
               "slurm": {"time_limit": "00:20:00", "poll_s": 0.5}}
     (tmp_path / "slurm.toml").write_text(tomli_w.dumps({"deploy": deploy}))
-    command = [sys.executable, "-m", "primerl.cli", "launch", "slurm", str(RECIPE), "--deploy",
-               str(tmp_path / "slurm.toml"), "--rl.max_steps=2", *overrides]
+    return [sys.executable, "-m", "primerl.cli", "launch", "slurm", str(RECIPE), "--deploy",
+            str(tmp_path / "slurm.toml"), "--rl.max_steps=2", *overrides]
+
+
+def launch(slurm, tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+    run_dir = tmp_path / "run"
+    command = launch_command(tmp_path, *overrides)
     done = subprocess.run(command, env=slurm.env, capture_output=True, text=True, timeout=900, check=False)
     print(done.stdout[-6000:], done.stderr[-3000:])
     return done, run_dir
@@ -49,8 +54,24 @@ def test_tiny_recipe_completes_as_a_slurm_job(slurm, tmp_path):
 def test_failing_job_exits_nonzero_with_the_log_tail(slurm, tmp_path):
     done, run_dir = launch(slurm, tmp_path, "--rl.orchestrator.env.id=no-such-environment")
     assert done.returncode == 1
+    assert json.loads((run_dir / "manifest.json").read_text())["stages"]["rl"]["status"] == "failed"
     job = job_id(done.stdout)
     assert f"launch: FAILED: job {job} ended FAILED" in done.stdout
     tail = done.stdout[done.stdout.index("launch: FAILED"):]
     assert "stage rl failed" in tail and "no-such-environment" in tail
     assert slurm.query("sacct", "--completion", "-j", job, "-X", "-n", "-P", "-o", "State") == "FAILED\n"
+
+
+def test_ctrl_c_cancels_the_job(slurm, tmp_path):
+    proc = subprocess.Popen(launch_command(tmp_path), env=slurm.env, stdout=subprocess.PIPE, text=True)
+    lines = []
+    for line in proc.stdout:  # the job is running once its log has its first line
+        lines.append(line)
+        if line.startswith("primerl: job "):
+            break
+    job = job_id("".join(lines))
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=180) == 130
+    assert f"launch: interrupted; cancelled job {job} (CANCELLED)" in rest
+    assert slurm.query("squeue", "-h", "-j", job) == ""

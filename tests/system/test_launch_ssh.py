@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tomllib
@@ -131,4 +132,21 @@ def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
     assert "launch: FAILED: trainer on host b" in done.stdout
     assert "every process was stopped" in done.stdout
     assert not (run_dir / "metrics.jsonl").exists() or trained_steps(run_dir) == []
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_ctrl_c_stops_every_process_on_every_host(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles)
+    command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE),
+                                       "--deploy", str(deploy))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # every process is up once the trainer's host has printed something
+        if line.startswith("[trainer.0@b]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 130
+    assert "launch: interrupted; stopping every process on every host" in rest
     assert_nothing_left(cluster, run_dir)

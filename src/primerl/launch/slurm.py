@@ -32,6 +32,7 @@ TEMPLATES = Path(__file__).parent / "templates"
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 TAIL_LINES = 40
+CANCEL_WAIT_S = 120
 _NODE = re.compile(r"@NODE(\d+)@")
 NODE_OF_TASK = "@NODE_OF_TASK@"
 
@@ -158,6 +159,17 @@ def job_state(shell: Shell, job_id: str) -> tuple[str, str]:
     return "UNKNOWN", "?"
 
 
+def wait_for_end(shell: Shell, job_id: str, timeout_s: float) -> str:
+    """Wait (up to `timeout_s`) for the job to leave the queue; its final state, or 'still ending'."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        _, queued = shell.run(f"squeue -h -j {job_id} -o %T")
+        if not queued.strip() or queued.strip().startswith("slurm_load_jobs error"):
+            return job_state(shell, job_id)[0]
+        time.sleep(0.5)
+    return "still ending"
+
+
 def follow(shell: Shell, job_id: str, log: str, poll_s: float, out=sys.stdout) -> tuple[str, str]:
     """Print the job's log as it grows until the job leaves the queue; then its final state."""
     offset = 0
@@ -218,7 +230,8 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
     except KeyboardInterrupt:
         if job_id is not None:
             shell.run(f"scancel {job_id}")
-            print(f"\nlaunch: interrupted; cancelled job {job_id}", file=out, flush=True)
+            state = wait_for_end(shell, job_id, CANCEL_WAIT_S)
+            print(f"\nlaunch: interrupted; cancelled job {job_id} ({state})", file=out, flush=True)
         return EXIT_INTERRUPTED
     finally:
         shell.close()
