@@ -18,6 +18,7 @@ start-up), not a speed-up. Prints one JSON object; `--out FILE` also writes it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import tomli_w
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "system"))
-from netns_hosts import Cluster, missing_tools  # noqa: E402
+from netns_hosts import Cluster, missing_tools
 
 RECIPE = REPO / "recipes" / "tiny.toml"
 LAYOUTS = {
@@ -63,9 +64,9 @@ def run_layout(cluster: Cluster, work: Path, name: str, roles: dict, steps: int)
     if done.returncode != 0:
         raise SystemExit(f"{name}: launch failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
     times = trainer_times(run_dir)
-    gaps = [b - a for a, b in zip(times, times[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     return {
-        "hosts": sorted(set([*roles["inference"], roles["orchestrator"], *roles["trainer"]])),
+        "hosts": sorted({*roles["inference"], roles["orchestrator"], *roles["trainer"]}),
         "roles": roles,
         "steps_completed": len(times),
         "seconds_per_step": round(sum(gaps) / len(gaps), 2) if gaps else None,
