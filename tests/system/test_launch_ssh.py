@@ -100,6 +100,9 @@ def test_trainer_on_one_host_inference_and_orchestrator_on_another(cluster, tmp_
     assert "[trainer.0@b]" in done.stdout and "[inference.0@a]" in done.stdout
     assert trained_steps(run_dir) == [1, 2]
     assert (run_dir / "weights" / "step_2").is_dir()
+    record = json.loads((run_dir / "launch" / "plan.json").read_text())
+    assert [p["label"] for p in record["processes"]] == ["inference.0@a", "orchestrator@a", "trainer.0@b"]
+    assert record["checklist"]["b"]["model"] == "passed" and record["hosts"]["b"] == cluster.hosts["b"].address
     assert_nothing_left(cluster, run_dir)
 
 

@@ -168,6 +168,19 @@ class LaunchPlan:
             args += ["--skip", ",".join(self.deploy.checklist_skip)]
         return args
 
+    def record(self, checklist: Mapping[str, Mapping[str, str]] | None = None) -> str:
+        """`<run>/launch/plan.json`: what ran where, with which software and pins, and each host's checklist."""
+        sw = self.software
+        return json.dumps({
+            "recipe": {"name": self.recipe.name, "path": self.recipe_on_hosts,
+                       "lock_sha256": self.recipe.pins.lock_sha256},
+            "software": {"kind": sw.kind, "project_dir": sw.project_dir, "image": sw.image},
+            "hosts": {h: self.deploy.hosts[h].address for h in self.hosts if h in self.deploy.hosts},
+            "processes": [{"label": p.label, "role": p.role, "host": p.host, "args": list(p.args)}
+                          for p in self.processes],
+            "checklist": dict(checklist or {}),
+        }, indent=2) + "\n"
+
     def describe(self) -> str:
         """The plan as text (`--dry-run`): software, files, then each process with its host and command."""
         sw = self.software

@@ -207,7 +207,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
     job_id = None
     try:
         if job.plan is not None:
-            for relative, text in job.plan.files.items():
+            for relative, text in {**job.plan.files, "launch/plan.json": job.plan.record()}.items():
                 shell.write(job.plan.path(relative), text)
             shell.write(job.plan.path(ADMIN_TOKEN_FILE), job.plan.admin_token, private=True)
         shell.write(job.script_path, job.script)

@@ -266,7 +266,8 @@ class SshTarget:
 
     def start(self) -> list[RemoteProcess]:
         first = self.plan.hosts[0]
-        self.put(first, dict(self.plan.files))
+        checklist = {h: {step: status for step, (status, _) in r.steps.items()} for h, r in self.reports.items()}
+        self.put(first, {**self.plan.files, "launch/plan.json": self.plan.record(checklist)})
         self.put(first, {ADMIN_TOKEN_FILE: self.plan.admin_token}, private=True)
         processes = []
         for p in self.plan.processes:
