@@ -230,7 +230,7 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
         raise PlanError(str(e)) from None
     if cfg.weight_transfer != "filesystem":
         raise PlanError(f"rl.weight_transfer = {cfg.weight_transfer!r}: launch supports 'filesystem' (the run "
-                        "directory is shared); broadcast across hosts is not supported yet")
+                        "directory is shared); other transfers across hosts are not wired yet")
 
     software = _software(recipe, deploy, gpus)
     recipe_on_hosts, files = recipe_path_on_hosts(recipe, software.project_dir)
