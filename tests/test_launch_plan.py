@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -116,16 +118,17 @@ def test_image_defaults_to_the_recipes_pin_and_says_when_there_is_none(tmp_path)
         plan_for(tmp_path, **ssh_deploy(software={"kind": "image"}))
 
 
-def test_several_servers_need_an_orchestrator_that_spreads_requests(tmp_path):
-    roles = {"inference": ["a", "b"], "orchestrator": "a", "trainer": ["b"]}
-    from primerl.config.orchestrator import ClientSection
-
-    if "base_urls" in ClientSection.model_fields:
-        plan = plan_for(tmp_path, **ssh_deploy(roles=roles))
-        assert [p.label for p in plan.processes][:2] == ["inference.0@a", "inference.1@b"]
-    else:
-        with pytest.raises(PlanError, match="lists 2 servers"):
-            plan_for(tmp_path, **ssh_deploy(roles=roles))
+def test_several_servers_each_on_its_port_and_all_known_to_the_orchestrator(tmp_path):
+    roles = {"inference": ["a", "b", "a"], "orchestrator": "a", "trainer": ["b"]}
+    plan = plan_for(tmp_path, **ssh_deploy(roles=roles))
+    servers = [p for p in plan.processes if p.role == "inference"]
+    assert [p.label for p in servers] == ["inference.0@a", "inference.1@b", "inference.2@a"]
+    assert [p.args[-3:] for p in servers] == [("10.0.0.1", "--port", "8000"), ("10.0.0.2", "--port", "8000"),
+                                              ("10.0.0.1", "--port", "8001")]
+    urls = ["http://10.0.0.1:8000", "http://10.0.0.2:8000", "http://10.0.0.1:8001"]
+    orchestrator = next(p for p in plan.processes if p.role == "orchestrator")
+    assert orchestrator.args[-2:] == ("--client.base_urls", json.dumps(urls))
+    assert tomllib.loads(plan.files["config/orchestrator.toml"])["client"]["base_urls"] == urls
 
 
 def test_broadcast_weight_transfer_is_refused_by_name(tmp_path):

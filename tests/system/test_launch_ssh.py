@@ -4,6 +4,7 @@ directory on the filesystem they share. The launcher itself runs in a namespace 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -106,9 +107,11 @@ def test_trainer_on_one_host_inference_and_orchestrator_on_another(cluster, tmp_
     assert_nothing_left(cluster, run_dir)
 
 
-def test_trainer_split_over_two_hosts(cluster, tmp_path):
+def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cluster, tmp_path):
+    """Each host runs one inference server and one trainer node (torchrun, 2 nodes x 1 rank, gloo); the orchestrator
+    on a spreads its requests over both servers and loads every weight version into both."""
     run_dir = tmp_path / "run"
-    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["a", "b"]}
+    roles = {"inference": ["a", "b"], "orchestrator": "a", "trainer": ["a", "b"]}
     done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles))
     assert done.returncode == 0, done.stdout[-3000:]
     assert trained_steps(run_dir) == [1, 2]
@@ -117,6 +120,11 @@ def test_trainer_split_over_two_hosts(cluster, tmp_path):
         assert "--nnodes=2" in log.splitlines()[0]
     orchestrator = tomllib.loads((run_dir / "config" / "orchestrator.toml").read_text())
     assert orchestrator["batch"]["num_ranks"] == 2  # batches were split for the two ranks
+    assert orchestrator["client"]["base_urls"] == [f"http://{cluster.hosts[h].address}:8000" for h in ("a", "b")]
+    for server in ("inference.0@a", "inference.1@b"):
+        log = (run_dir / "logs" / f"{server}.log").read_text()
+        assert re.search(r"(generate|chat\S*) \S+ n=\d+ ", log), f"{server} served no request"
+        assert "as policy version 1 " in log, f"{server} never got the weights of step 1"
     assert_nothing_left(cluster, run_dir)
 
 

@@ -244,11 +244,10 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
     try:
         inference, orchestrator, trainer = cfg.with_devices(devices).process_configs(devices, base_url=urls[0])
         orchestrator.batch.num_ranks = world
+        if len(urls) > 1:
+            orchestrator.client.base_urls = urls  # requests spread over the servers; every weight version reaches all
     except (ValueError, pydantic.ValidationError) as e:
         raise PlanError(f"rl: {e}".splitlines()[0]) from None
-    if len(urls) > 1 and "base_urls" not in type(orchestrator.client).model_fields:
-        raise PlanError(f"deploy.roles.inference lists {len(urls)} servers, but this build's orchestrator talks to "
-                        "one (no client.base_urls): list one inference host")
 
     config = PurePosixPath(deploy.run_dir) / "config"
     try:
