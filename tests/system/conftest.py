@@ -114,3 +114,21 @@ def slurm(tmp_path_factory):
     cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
     yield cluster
     cluster.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_login(slurm, tmp_path_factory):
+    """A login host for the Slurm cluster: sshd on loopback whose sessions get SLURM_CONF. Yields a [deploy.hosts]
+    entry."""
+    from netns_hosts import make_keys, start_sshd
+
+    from primerl.ports import free_port
+
+    workdir = tmp_path_factory.mktemp("login")
+    key, _, host_key, authorized = make_keys(workdir)
+    port = free_port()
+    sshd = start_sshd(workdir, "login", "127.0.0.1", port, host_key, authorized,
+                      extra_config=f"SetEnv SLURM_CONF={slurm.conf}\n")
+    yield {"address": "127.0.0.1", "port": port, "user": "root", "identity_file": str(key)}
+    sshd.terminate()
+    sshd.wait(timeout=30)

@@ -66,16 +66,7 @@ class Cluster:
         tag = f"{os.getpid() % 10000}"
         subnet = f"10.{100 + os.getpid() % 100}.{os.getpid() // 100 % 250}"
         self.launcher_netns = f"prl{tag}l"
-        self.key = self.workdir / "id_ed25519"
-        self.other_key = self.workdir / "other_ed25519"
-        for key in (self.key, self.other_key):
-            run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(key))
-        self.authorized = self.workdir / "authorized_keys"
-        self.authorized.write_text(self.key.with_suffix(".pub").read_text())
-        self.authorized.chmod(0o600)
-        self.host_key = self.workdir / "ssh_host_ed25519_key"
-        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(self.host_key))
-        Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+        self.key, self.other_key, self.host_key, self.authorized = make_keys(self.workdir)
         ns = self.launcher_netns
         run("ip", "netns", "add", ns)
         run("ip", "-n", ns, "link", "set", "lo", "up")
@@ -96,26 +87,7 @@ class Cluster:
             self._start_sshd(host)
 
     def _start_sshd(self, host: Host) -> None:
-        config = self.workdir / f"sshd_{host.name}.conf"
-        config.write_text(
-            f"ListenAddress {host.address}\nPort 22\nHostKey {self.host_key}\nAuthorizedKeysFile {self.authorized}\n"
-            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
-            f"UsePAM no\nStrictModes no\nPidFile {self.workdir}/sshd_{host.name}.pid\nMaxSessions 50\n"
-            "MaxStartups 50\nLogLevel ERROR\nAcceptEnv none\nPrintMotd no\n"
-        )
-        with open(self.workdir / f"sshd_{host.name}.log", "wb") as log:
-            host.sshd = subprocess.Popen(
-                ["ip", "netns", "exec", host.netns, SSHD, "-D", "-e", "-f", str(config)],
-                stdout=subprocess.DEVNULL, stderr=log,
-            )
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.exec(host.name, "bash", "-c", f"exec 3<>/dev/tcp/{host.address}/22", check=False).returncode == 0:
-                return
-            if host.sshd.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError(f"sshd of {host.name} did not start: {(self.workdir / f'sshd_{host.name}.log').read_text()}")
+        host.sshd = start_sshd(self.workdir, host.name, host.address, 22, self.host_key, self.authorized, host.netns)
 
     def exec(self, host: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
         return run("ip", "netns", "exec", self.hosts[host].netns, *args, check=check)
@@ -147,6 +119,44 @@ class Cluster:
                     pass
             run("ip", "netns", "del", host.netns, check=False)
         run("ip", "netns", "del", self.launcher_netns, check=False)
+
+
+def make_keys(workdir: Path) -> tuple[Path, Path, Path, Path]:
+    """A login key (authorized), another key (not authorized), a host key, and the authorized_keys file."""
+    key, other, host_key = workdir / "id_ed25519", workdir / "other_ed25519", workdir / "ssh_host_ed25519_key"
+    for path in (key, other, host_key):
+        run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(path))
+    authorized = workdir / "authorized_keys"
+    authorized.write_text(key.with_suffix(".pub").read_text())
+    authorized.chmod(0o600)
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
+    return key, other, host_key, authorized
+
+
+def start_sshd(workdir: Path, name: str, address: str, port: int, host_key: Path, authorized: Path,
+               netns: str | None = None, extra_config: str = "") -> subprocess.Popen:
+    """sshd in the foreground on address:port (inside `netns` when given), key logins only; returns once it
+    accepts connections."""
+    config = workdir / f"sshd_{name}.conf"
+    config.write_text(
+        f"ListenAddress {address}\nPort {port}\nHostKey {host_key}\nAuthorizedKeysFile {authorized}\n"
+        "PermitRootLogin prohibit-password\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n"
+        f"UsePAM no\nStrictModes no\nPidFile {workdir}/sshd_{name}.pid\nMaxSessions 50\n"
+        f"MaxStartups 50\nLogLevel ERROR\nAcceptEnv none\nPrintMotd no\n{extra_config}"
+    )
+    in_netns = ["ip", "netns", "exec", netns] if netns else []
+    with open(workdir / f"sshd_{name}.log", "wb") as log:
+        sshd = subprocess.Popen([*in_netns, SSHD, "-D", "-e", "-f", str(config)], stdout=subprocess.DEVNULL,
+                                stderr=log)
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        probe = run(*in_netns, "bash", "-c", f"exec 3<>/dev/tcp/{address}/{port}", check=False)
+        if probe.returncode == 0:
+            return sshd
+        if sshd.poll() is not None:
+            break
+        time.sleep(0.1)
+    raise RuntimeError(f"sshd {name} did not start: {(workdir / f'sshd_{name}.log').read_text()}")
 
 
 def _children(pid: int) -> set[int]:

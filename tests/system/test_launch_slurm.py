@@ -18,18 +18,23 @@ from primerl.monitor import read_metrics
 pytestmark = pytest.mark.launchers
 
 
-def launch_command(tmp_path: Path, *overrides: str) -> list[str]:
+def launch_command(tmp_path: Path, *overrides: str, login: dict | None = None) -> list[str]:
     deploy = {"target": "slurm", "run_dir": str(tmp_path / "run"), "checklist_skip": CHECKLIST_SKIP,
               "slurm": {"time_limit": "00:20:00", "poll_s": 0.5}}
+    if login is not None:  # submit, follow and read the log over SSH on the login host
+        deploy["hosts"] = {"login": login}
+        deploy["slurm"]["login_host"] = "login"
     (tmp_path / "slurm.toml").write_text(tomli_w.dumps({"deploy": deploy}))
     return [sys.executable, "-m", "primerl.cli", "launch", "slurm", str(RECIPE), "--deploy",
             str(tmp_path / "slurm.toml"), "--rl.max_steps=2", *overrides]
 
 
-def launch(slurm, tmp_path: Path, *overrides: str) -> tuple[subprocess.CompletedProcess, Path]:
+def launch(slurm, tmp_path: Path, *overrides: str, login: dict | None = None
+           ) -> tuple[subprocess.CompletedProcess, Path]:
     run_dir = tmp_path / "run"
-    command = launch_command(tmp_path, *overrides)
-    done = subprocess.run(command, env=slurm.env, capture_output=True, text=True, timeout=900, check=False)
+    command = launch_command(tmp_path, *overrides, login=login)
+    env = slurm.env if login is None else {k: v for k, v in slurm.env.items() if k != "SLURM_CONF"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     print(done.stdout[-6000:], done.stderr[-3000:])
     return done, run_dir
 
@@ -51,8 +56,9 @@ def test_tiny_recipe_completes_as_a_slurm_job(slurm, tmp_path):
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["rl"]["status"] == "completed"
 
 
-def test_failing_job_exits_nonzero_with_the_log_tail(slurm, tmp_path):
-    done, run_dir = launch(slurm, tmp_path, "--rl.orchestrator.env.id=no-such-environment")
+def test_failing_job_submitted_on_a_login_host_exits_nonzero_with_the_log_tail(slurm, slurm_login, tmp_path):
+    """Submitted over SSH on the login host (this launcher has no SLURM_CONF: every Slurm command runs there)."""
+    done, run_dir = launch(slurm, tmp_path, "--rl.orchestrator.env.id=no-such-environment", login=slurm_login)
     assert done.returncode == 1
     assert json.loads((run_dir / "manifest.json").read_text())["stages"]["rl"]["status"] == "failed"
     job = job_id(done.stdout)

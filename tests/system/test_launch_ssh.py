@@ -109,12 +109,13 @@ def test_trainer_on_one_host_inference_and_orchestrator_on_another(cluster, tmp_
 
 def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cluster, tmp_path):
     """Each host runs one inference server and one trainer node (torchrun, 2 nodes x 1 rank, gloo); the orchestrator
-    on a spreads its requests over both servers and loads every weight version into both."""
+    on a spreads its requests over both servers and loads every weight version into both. Three steps: with
+    max_async_steps = 1 the third batch is the first that needs new weights (step 1's) in the servers."""
     run_dir = tmp_path / "run"
     roles = {"inference": ["a", "b"], "orchestrator": "a", "trainer": ["a", "b"]}
-    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles))
+    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles), "--rl.max_steps=3")
     assert done.returncode == 0, done.stdout[-3000:]
-    assert trained_steps(run_dir) == [1, 2]
+    assert trained_steps(run_dir) == [1, 2, 3]
     for node in ("trainer.0@a", "trainer.1@b"):
         log = (run_dir / "logs" / f"{node}.log").read_text()
         assert "--nnodes=2" in log.splitlines()[0]

@@ -99,7 +99,9 @@ class HostReport:
             return True
         except HostError as e:
             self.steps[step] = ("failed", str(e))
-            return False
+        except Exception as e:  # noqa: BLE001 -- a host that breaks a check (a dropped connection) failed it
+            self.steps[step] = ("failed", f"{type(e).__name__}: {e}".splitlines()[0])
+        return False
 
 
 class SshTarget:
