@@ -9,8 +9,8 @@ sharing the run directory through the filesystem. Layouts, each run `--steps` st
 
 `seconds_per_step` is the mean time between consecutive trainer records after the first step (start-up excluded);
 `launch_seconds` is the launcher's whole run (preflight, checklist's light steps, start, steps, stop). All "hosts"
-share this machine's cores and every process runs with OMP_NUM_THREADS=1, so spreading the trainer over two hosts
-gives it a second core (two ranks), while moving it to another host only adds network hops. Prints one JSON object; `--out FILE` also writes it.
+share this machine's cores (every process with OMP_NUM_THREADS=1), so the figures show what spreading costs or gains
+on one box, not on real nodes; on a machine shared with other work they move with its load (recorded). Prints one JSON object; `--out FILE` also writes it.
 
     sudo uv run python benchmarks/multinode_cpu.py [--steps 4] [--out benchmarks/results/multinode_cpu.json]
 """
@@ -98,8 +98,8 @@ def main() -> None:
         "recipe": "recipes/tiny.toml",
         "steps": args.steps,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_1m": os.getloadavg()[0]},
-        "note": "hosts are network namespaces sharing this machine's cores, every process with OMP_NUM_THREADS=1: "
-                "a trainer split over two hosts gets two cores' worth of compute, the other layouts one",
+        "note": "hosts are network namespaces sharing this machine's cores (every process OMP_NUM_THREADS=1) with "
+                "whatever else runs on it (load_avg_1m); each figure is the mean of steps-1 intervals of one run",
         "layouts": results,
     }
     text = json.dumps(report, indent=2)
