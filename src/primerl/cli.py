@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("primerl.recipes.run", "run a recipe: pins, checklist, then its stages"),
     "recipe": ("primerl.recipes.cli", "recipe tools (lock)"),
     "image": ("primerl.launch.images", "container images: build, run, inspect"),
+    "launch": ("primerl.launch.command", "run a recipe on SSH hosts or as a Slurm job"),
     "plot": ("primerl.monitor", "write PNG plots of a run directory's metrics"),
     "models": ("primerl.models", "model registry: list, prepare the embedded model"),
 }

@@ -1,10 +1,12 @@
-"""Fixtures of the system tier that need a Docker daemon: the daemon itself (reused when one answers, otherwise
+"""Fixtures of the system tier: a Docker daemon (reused when one answers, otherwise
 started by ci/dockerd.sh and stopped at the end), and a Debian base image made by ci/base-image.sh."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 from docker_helpers import CI, run_in_image
@@ -52,3 +54,81 @@ def base_python(docker_client, base_image) -> str:
     )
     assert code == 0, out
     return out.strip()
+
+
+# ---------------------------------------------------------------------------------------------------------- launchers
+
+LAUNCHER_TESTS_VAR = "PRIMERL_LAUNCHER_TESTS"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
+# The heavy checklist steps run whole processes; the launcher tests run the light ones on every host (the heavy ones
+# are the checklist's own tests).
+CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
+
+
+def _install_if_missing(packages: list[str], missing) -> str | None:
+    """`missing()` says why the tools are unusable (None: usable); when it says so, install `packages` with apt-get
+    (root only) and ask again. The reason returned is the skip reason."""
+    why = missing()
+    if why is None or os.geteuid() != 0 or shutil.which("apt-get") is None:
+        return why
+    done = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", *packages],
+                          env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"}, capture_output=True, text=True,
+                          check=False)
+    if done.returncode != 0:
+        return f"{why}; apt-get install {' '.join(packages)} failed: {done.stderr.strip().splitlines()[-1:]}"
+    return missing()
+
+
+def _launcher_tests_enabled() -> None:
+    if os.environ.get(LAUNCHER_TESTS_VAR) != "1":
+        pytest.skip(
+            f"launcher tests are opt-in ({LAUNCHER_TESTS_VAR}=1 pytest -m launchers; .ci/run runs them as their own "
+            "group): they need root for network namespaces, sshd and Slurm's daemons, and run the tiny recipe "
+            "several times (docs/launch.md)"
+        )
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """Two hosts `a` and `b` (network namespaces with their own sshd) and a launcher namespace."""
+    _launcher_tests_enabled()
+    from netns_hosts import Cluster, missing_tools
+
+    why = _install_if_missing(["openssh-server", "iproute2"], missing_tools)
+    if why:
+        pytest.skip(f"cannot make SSH hosts here: {why}")
+    hosts = Cluster(tmp_path_factory.mktemp("cluster"), ["a", "b"])
+    yield hosts
+    hosts.close()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A one-node Slurm cluster (munged, slurmctld, slurmd) for the session; clients use `slurm.env`."""
+    _launcher_tests_enabled()
+    from slurm_cluster import SlurmCluster, missing_tools
+
+    why = _install_if_missing(["slurm-wlm", "munge"], missing_tools)
+    if why:
+        pytest.skip(f"cannot start Slurm here: {why}")
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture(scope="session")
+def slurm_login(slurm, tmp_path_factory):
+    """A login host for the Slurm cluster: sshd on loopback whose sessions get SLURM_CONF. Yields a [deploy.hosts]
+    entry."""
+    from netns_hosts import make_keys, start_sshd
+
+    from primerl.ports import free_port
+
+    workdir = tmp_path_factory.mktemp("login")
+    key, _, host_key, authorized = make_keys(workdir)
+    port = free_port()
+    sshd = start_sshd(workdir, "login", "127.0.0.1", port, host_key, authorized,
+                      extra_config=f"SetEnv SLURM_CONF={slurm.conf}\n")
+    yield {"address": "127.0.0.1", "port": port, "user": "root", "identity_file": str(key)}
+    sshd.terminate()
+    sshd.wait(timeout=30)

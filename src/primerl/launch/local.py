@@ -94,14 +94,20 @@ def _none_overrides(model: type[pydantic.BaseModel], values: Mapping[str, Any], 
     return out
 
 
-def write_process_config(path: Path, cfg: pydantic.BaseModel, exclude: set[str] = frozenset()) -> None:
-    """The resolved config of one process as TOML (secrets excluded: they travel in the environment)."""
+def process_config_toml(name: str, cfg: pydantic.BaseModel, exclude: set[str] = frozenset()) -> str:
+    """The resolved config of process `name` as TOML text (secrets excluded: they travel in the environment)."""
     values = cfg.model_dump(mode="json", exclude=exclude)
     lost = _none_overrides(type(cfg), values)
     if lost:
-        raise LaunchError(f"{path.stem}: {', '.join(lost)} = None cannot be written to a TOML config; set a value")
+        raise LaunchError(f"{name}: {', '.join(lost)} = None cannot be written to a TOML config; set a value")
+    return tomli_w.dumps(_drop_none(values))
+
+
+def write_process_config(path: Path, cfg: pydantic.BaseModel, exclude: set[str] = frozenset()) -> None:
+    """`process_config_toml` written to `path` (named after its stem)."""
+    text = process_config_toml(path.stem, cfg, exclude)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(tomli_w.dumps(_drop_none(values)))
+    path.write_text(text)
 
 
 def _drop_none(value: Any) -> Any:

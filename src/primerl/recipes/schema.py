@@ -13,6 +13,7 @@ A recipe is a TOML file with a top-level `[recipe]` table — that table is what
                         config files (paths relative to the recipe); strings may use `${recipe_dir}` and
                         `${run_dir}` (the run's directory, e.g. to start RL from the SFT stage's weights)
     [smoke.sft] / [smoke.rl]   overrides that turn a stage into its few-step smoke variant (used by the checklist)
+    [deploy]            where it runs beyond this machine: `primerl launch ssh|slurm` (schema: `primerl.config.deploy`)
 
 A pin whose value is `"unpinned"` is known to be missing: verification reports it as unpinned, never as verified.
 Loading validates everything, including each stage's config against its process's schema, and raises `RecipeError`
@@ -230,6 +231,7 @@ class RecipeFile(Section):
     sft: dict[str, Any] | None = None
     rl: dict[str, Any] | None = None
     smoke: dict[Literal["sft", "rl"], dict[str, Any]] = Field(default_factory=dict)
+    deploy: dict[str, Any] | None = None  # validated by the launchers, merged with deploy files first
 
 
 @dataclass(frozen=True)
@@ -241,6 +243,7 @@ class Recipe:
     pins: Pins
     stages: dict[str, dict[str, Any]]
     smoke: dict[str, dict[str, Any]]
+    deploy: dict[str, Any] | None = None  # validated by the launchers, merged with deploy files first
 
     @property
     def name(self) -> str:
@@ -307,7 +310,8 @@ def load_recipe(path: str | Path) -> Recipe:
     for name in parsed.smoke:
         if name not in stages:
             raise RecipeError(f"{path}: [smoke.{name}] names a stage the recipe does not have")
-    recipe = Recipe(path=path.resolve(), info=parsed.recipe, pins=parsed.pins, stages=stages, smoke=parsed.smoke)
+    recipe = Recipe(path=path.resolve(), info=parsed.recipe, pins=parsed.pins, stages=stages, smoke=parsed.smoke,
+                    deploy=parsed.deploy)
     for name in stages:
         validate_stage(recipe, name, smoke=False)
         if name in recipe.smoke:

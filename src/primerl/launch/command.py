@@ -1,0 +1,76 @@
+"""`primerl launch <target> recipe.toml`: run a recipe beyond this machine. One module per target:
+
+    primerl launch ssh   recipe.toml [--deploy hosts.toml] [--run-dir DIR] [--dry-run] [--rl.max_steps=5]
+    primerl launch slurm recipe.toml [--deploy slurm.toml] [--run-dir DIR] [--dry-run] [--rl.max_steps=5]
+
+The deployment comes from the recipe's `[deploy]` table merged with each `--deploy` file's (`primerl.config.deploy`);
+stage options are overridden as in `primerl run`. A bad recipe, deploy key or option is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+TARGETS = {
+    "ssh": ("primerl.launch.ssh", "SSH hosts (fabric): preflight, checklist on every host, then the roles"),
+    "slurm": ("primerl.launch.slurm", "a Slurm job (sbatch from templates), followed until it ends"),
+}
+USAGE_ERROR = 2
+
+
+@dataclass
+class LaunchRequest:
+    """What a target's command line asked for, loaded and validated."""
+
+    recipe: Any  # primerl.recipes.schema.Recipe
+    deploy: Any  # primerl.config.deploy.DeployConfig
+    overrides: dict[str, Any]
+    dry_run: bool
+
+
+def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest | int:
+    """Parse `primerl launch <target>`'s arguments and load recipe and deployment; an int is the exit code of a
+    usage error (already reported in one line)."""
+    from primerl.config import ConfigError
+    from primerl.launch.plan import PlanError, load_deploy
+    from primerl.recipes.run import stage_overrides
+    from primerl.recipes.schema import RecipeError, load_recipe
+
+    prog = f"primerl launch {target}"
+    parser = argparse.ArgumentParser(prog=prog, description=describe)
+    parser.add_argument("recipe", help="the recipe file (an RL recipe)")
+    parser.add_argument("--deploy", type=Path, action="append", default=[], metavar="FILE",
+                        help="a TOML file with a [deploy] table, merged over the recipe's (repeatable)")
+    parser.add_argument("--run-dir", help="deploy.run_dir: an absolute path every host sees")
+    parser.add_argument("--dry-run", action="store_true", help="print the plan (and script) and exit")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        recipe = load_recipe(args.recipe)
+        overrides = stage_overrides(recipe, rest)
+        deploy = load_deploy(recipe, args.deploy, run_dir=args.run_dir, target=target)
+    except (RecipeError, ConfigError, PlanError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    return LaunchRequest(recipe, deploy, overrides, args.dry_run)
+
+
+def _usage() -> str:
+    rows = [f"  {name:6s} {summary}" for name, (_, summary) in TARGETS.items()]
+    return "usage: primerl launch <target> recipe.toml [options]\n\ntargets:\n" + "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0 if argv else USAGE_ERROR
+    if argv[0] not in TARGETS:
+        print(f"primerl launch: unknown target '{argv[0]}'\n\n{_usage()}", file=sys.stderr)
+        return USAGE_ERROR
+    module = importlib.import_module(TARGETS[argv[0]][0])
+    return int(module.main(argv[1:]) or 0)

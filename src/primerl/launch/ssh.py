@@ -1,0 +1,433 @@
+"""`primerl launch ssh recipe.toml`: an RL recipe on SSH hosts, through fabric.
+
+1. Plan (`primerl.launch.plan`): the roles on the hosts, the configs; `--dry-run` prints it and stops.
+2. Preflight, every host in parallel: reachable and the key accepted; the run directory is the same directory on
+   every host (a file one host writes, the others read); free disk; the software at the pinned version (uv: the
+   project's uv.lock has the pinned sha256 and `.venv` is in sync with it, synced when not; image: the image id
+   present, loaded from this machine's Docker daemon when missing).
+3. The validation checklist on every host in parallel (`deploy.checklist_skip` leaves steps out); one table of all
+   hosts' results. Any failure in 2 or 3 names the host, starts nothing, and exits 1.
+4. The run directory gets the configs and the admin token (through the first host: the directory is shared), then the
+   processes start: inference servers, orchestrator, trainer nodes (torchrun rendezvous on the first trainer host),
+   each under `primerl.launch.remote`. Their output is streamed here, each line prefixed `[role.i@host]`.
+5. Done when the orchestrator and every trainer node exit 0 (then the servers are stopped). A process that fails, or
+   Ctrl-C / SIGTERM, stops every process on every host; the summary names the failing role and host (exit 1; 130 when
+   interrupted).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from primerl.config.deploy import DeployConfig, HostSection
+from primerl.launch.command import USAGE_ERROR, LaunchRequest, parse_request
+from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RoleProcess, build_plan
+from primerl.launch.remote import STOP_LINE
+
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+POLL_S = 0.25
+RUN_MARKERS = ("rollouts", "weights", "checkpoints", "metrics.jsonl")
+
+
+class HostError(Exception):
+    """A preflight check that failed on one host; the message says what, in one line."""
+
+
+def connect(host: HostSection, timeout_s: float):
+    """An open fabric Connection to `host`; HostError saying whether it is unreachable or refused the login."""
+    import fabric
+    import paramiko
+
+    kwargs: dict[str, Any] = {"banner_timeout": timeout_s, "auth_timeout": timeout_s}
+    if host.identity_file:
+        kwargs.update(key_filename=[host.identity_file], look_for_keys=False, allow_agent=False)
+    conn = fabric.Connection(host.address, user=host.user, port=host.port, connect_timeout=timeout_s,
+                             connect_kwargs=kwargs)
+    where = f"{conn.user}@{host.address}:{host.port}"
+    try:
+        conn.open()
+    except paramiko.AuthenticationException as e:
+        raise HostError(f"refused the login of {where} ({e})") from None
+    except (TimeoutError, OSError, paramiko.SSHException) as e:
+        raise HostError(f"unreachable at {where}: {e}") from None
+    return conn
+
+
+def run_checked(conn, command: str, what: str, timeout_s: float | None = None) -> str:
+    """Run `command` on the host; its output, or HostError with `what` and the output's last line."""
+    result = conn.run(command, hide=True, warn=True, pty=False, timeout=timeout_s)
+    if result.exited != 0:
+        output = (result.stdout + result.stderr).strip().splitlines()
+        raise HostError(f"{what}: exit {result.exited}: {output[-1] if output else 'no output'}")
+    return result.stdout
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Preflight
+
+
+@dataclass
+class HostReport:
+    """What preflight and the checklist found on one host."""
+
+    host: str
+    steps: dict[str, tuple[str, str]] = field(default_factory=dict)  # step -> (status, detail)
+    conn: Any = None
+
+    @property
+    def failed(self) -> list[str]:
+        return [name for name, (status, _) in self.steps.items() if status == "failed"]
+
+    def record(self, step: str, work: Callable[[], str]) -> bool:
+        """Run one check; record passed/failed with its detail. False when it failed."""
+        try:
+            self.steps[step] = ("passed", work())
+            return True
+        except HostError as e:
+            self.steps[step] = ("failed", str(e))
+        except Exception as e:  # noqa: BLE001 -- a host that breaks a check (a dropped connection) failed it
+            self.steps[step] = ("failed", f"{type(e).__name__}: {e}".splitlines()[0])
+        return False
+
+
+class SshTarget:
+    """The SSH hosts of one launch: connections, preflight, file writes, processes."""
+
+    def __init__(self, plan: LaunchPlan, out=sys.stdout):
+        self.plan = plan
+        self.deploy: DeployConfig = plan.deploy
+        self.out = out
+        self.reports = {host: HostReport(host) for host in plan.hosts}
+        self.lock = threading.Lock()
+
+    def say(self, message: str) -> None:
+        with self.lock:
+            print(message, file=self.out, flush=True)
+
+    def conn(self, host: str):
+        return self.reports[host].conn
+
+    def in_parallel(self, work: Callable[[HostReport], None]) -> None:
+        with ThreadPoolExecutor(max_workers=len(self.reports)) as pool:
+            list(pool.map(work, self.reports.values()))
+
+    # -- preflight ---------------------------------------------------------------------------------------------------
+
+    def preflight(self) -> bool:
+        """Connect, check the shared run directory, disk and software on every host; False if any host failed."""
+        self.in_parallel(self._connect)
+        if any(r.failed for r in self.reports.values()):
+            return False
+        self._check_shared_run_dir()
+        self.in_parallel(self._check_host)
+        return not any(r.failed for r in self.reports.values())
+
+    def _connect(self, report: HostReport) -> None:
+        def open_connection() -> str:
+            report.conn = connect(self.deploy.hosts[report.host], self.deploy.connect_timeout_s)
+            return f"{report.conn.user}@{report.conn.host}:{report.conn.port}"
+
+        report.record("connect", open_connection)
+
+    def _check_shared_run_dir(self) -> None:
+        """The first host writes a probe file (and any file the hosts need before the run); every host reads it."""
+        first, *others = self.plan.hosts
+        run_dir = shlex.quote(self.plan.run_dir)
+        nonce = uuid.uuid4().hex
+        probe = f"{self.plan.run_dir}/launch/.shared-probe-{nonce}"
+        early = {k: v for k, v in self.plan.files.items() if k.startswith("launch/")}
+
+        def write_probe() -> str:
+            found = run_checked(self.conn(first), f"mkdir -p {run_dir}/launch && cd {run_dir} && "
+                                f"ls -d {' '.join(RUN_MARKERS)} 2>/dev/null; true", "run directory")
+            if found.split():
+                raise HostError(f"{self.plan.run_dir} already holds a run ({', '.join(found.split())}): choose another "
+                                "deploy.run_dir")
+            self.put(first, {**early, f"launch/.shared-probe-{nonce}": nonce})
+            return f"{self.plan.run_dir} is writable"
+
+        if not self.reports[first].record("run_dir", write_probe):
+            return
+
+        def read_probe(report: HostReport) -> None:
+            def check() -> str:
+                got = self.conn(report.host).run(f"cat {shlex.quote(probe)}", hide=True, warn=True).stdout.strip()
+                if got != nonce:
+                    raise HostError(f"does not see {first}'s files in {self.plan.run_dir}: deploy.run_dir must be on "
+                                    "a filesystem every host shares")
+                return f"sees {first}'s {self.plan.run_dir}"
+
+            report.record("run_dir", check)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(others))) as pool:
+            list(pool.map(read_probe, [self.reports[h] for h in others]))
+        self.conn(first).run(f"rm -f {shlex.quote(probe)}", hide=True, warn=True)
+
+    def _check_host(self, report: HostReport) -> None:
+        if report.failed:
+            return
+        conn = self.conn(report.host)
+        need_gb = self.plan.recipe.info.hardware.min_disk_gb
+
+        def disk() -> str:
+            out = run_checked(conn, f"df -Pk {shlex.quote(self.plan.run_dir)} | awk 'NR==2 {{print $4}}'", "df")
+            free_gb = int(out.strip()) / 2**20
+            if free_gb < need_gb:
+                raise HostError(f"{free_gb:.1f} GiB free in {self.plan.run_dir}, the recipe needs {need_gb:g}")
+            return f"{free_gb:.1f} GiB free"
+
+        if report.record("disk", disk):
+            report.record("software", lambda: self._software(conn))
+
+    def _software(self, conn) -> str:
+        """uv: the project's uv.lock is the pinned one and its .venv is in sync with it (synced here if not, when
+        deploy.software.sync); image: the pinned image id is present (loaded from here if not)."""
+        sw = self.plan.software
+        if sw.kind == "image":
+            return self._image(conn)
+        project, uv = shlex.quote(sw.project_dir), shlex.quote(self.deploy.software.uv)
+        found = run_checked(conn, f"sha256sum {project}/uv.lock", "uv.lock").split()[0]
+        pinned = self.plan.recipe.pins.lock_sha256
+        if found != pinned:
+            raise HostError(f"{sw.project_dir}/uv.lock has sha256 {found[:12]}..., the recipe pins {pinned[:12]}...")
+        if conn.run(f"cd {project} && {uv} sync --locked --check", hide=True, warn=True).exited == 0:
+            return f"uv environment in sync with uv.lock {found[:12]}..."
+        if not self.deploy.software.sync:
+            raise HostError(f"{sw.project_dir}/.venv is not in sync with uv.lock (deploy.software.sync = false)")
+        run_checked(conn, f"cd {project} && {uv} sync --locked", "uv sync --locked")
+        return f"uv environment synced from uv.lock {found[:12]}..."
+
+    def _image(self, conn) -> str:
+        image = shlex.quote(str(self.plan.software.image))
+        found = conn.run(f"docker image inspect --format '{{{{.Id}}}}' {image}", hide=True, warn=True)
+        if found.exited == 0 and found.stdout.strip() == self.plan.software.image:
+            return f"image {self.plan.software.image[:19]} present"
+        load_image(conn, str(self.plan.software.image))
+        return f"image {self.plan.software.image[:19]} loaded"
+
+    def checklist(self) -> bool:
+        """The checklist on every host in parallel, then one table of all hosts' results; False if any failed."""
+        self.say(f"launch: checklist on {', '.join(self.reports)} ...")
+
+        def run(report: HostReport) -> None:
+            conn = self.conn(report.host)
+            args = self.plan.checklist_args(report.host)
+            result = conn.run(self.plan.software.shell(args, self.plan.host_env[report.host]), hide=True, warn=True)
+            shown = conn.run(f"cat {shlex.quote(args[args.index('--report') + 1])}", hide=True, warn=True)
+            try:
+                steps = json.loads(shown.stdout)["steps"]
+            except (ValueError, KeyError):
+                tail = (result.stdout + result.stderr).strip().splitlines()
+                report.steps["checklist"] = ("failed", f"exit {result.exited}: {tail[-1] if tail else 'no output'}")
+                return
+            for step in steps:
+                report.steps[step["name"]] = (step["status"], step["detail"])
+
+        self.in_parallel(run)
+        return not any(r.failed for r in self.reports.values())
+
+    def table(self) -> str:
+        """One row per host, one column per step; then the detail of every failure."""
+        steps = list(dict.fromkeys(s for r in self.reports.values() for s in r.steps))
+        width = max(len(h) for h in self.reports)
+        cols = [max(len(s), 7) for s in steps]
+        rows = ["host".ljust(width) + "  " + "  ".join(s.ljust(c) for s, c in zip(steps, cols))]
+        for host, report in self.reports.items():
+            cells = [report.steps.get(s, ("-", ""))[0].ljust(c) for s, c in zip(steps, cols)]
+            rows.append(host.ljust(width) + "  " + "  ".join(cells))
+        for host, report in self.reports.items():
+            rows += [f"{host}: {name} failed: {report.steps[name][1]}" for name in report.failed]
+        return "\n".join(rows)
+
+    # -- the run -----------------------------------------------------------------------------------------------------
+
+    def put(self, host: str, files: dict[str, str], private: bool = False) -> None:
+        """Write `files` (run-directory-relative path -> text) through `host`, each atomically (temp file, rename);
+        `private` files are readable by their owner only. Plain shell, so hosts need no SFTP server."""
+        conn = self.conn(host)
+        for relative, text in files.items():
+            path = shlex.quote(self.plan.path(relative))
+            tmp = shlex.quote(f"{self.plan.path(relative)}.tmp")
+            umask = "umask 077 && " if private else ""
+            conn.run(f"{umask}mkdir -p \"$(dirname {path})\" && cat > {tmp} && mv {tmp} {path}",
+                     in_stream=io.StringIO(text), hide=True, echo_stdin=False)
+
+    def start(self) -> list[RemoteProcess]:
+        first = self.plan.hosts[0]
+        checklist = {h: {step: status for step, (status, _) in r.steps.items()} for h, r in self.reports.items()}
+        self.put(first, {**self.plan.files, "launch/plan.json": self.plan.record(checklist)})
+        self.put(first, {ADMIN_TOKEN_FILE: self.plan.admin_token}, private=True)
+        processes = []
+        for p in self.plan.processes:
+            command = self.plan.software.shell(self.plan.supervised_args(p), p.env)
+            processes.append(RemoteProcess(p, self.conn(p.host), command, self.say))
+        for rp in processes:
+            rp.start()
+        return processes
+
+    def close(self) -> None:
+        for report in self.reports.values():
+            if report.conn is not None:
+                report.conn.close()
+
+
+def load_image(conn, image: str) -> None:
+    """Stream `docker save <image>` of this machine into `docker load` on the host."""
+    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    channel = conn.create_session()
+    channel.set_combine_stderr(True)
+    channel.exec_command("docker load")
+    assert save.stdout is not None
+    while chunk := save.stdout.read(1 << 20):
+        channel.sendall(chunk)
+    channel.shutdown_write()
+    code = channel.recv_exit_status()
+    if save.wait() != 0:
+        raise HostError(f"image {image} is not on the host, and `docker save {image}` failed here")
+    if code != 0:
+        raise HostError(f"docker load of {image} failed (exit {code})")
+
+
+class RemoteProcess:
+    """One role process on its host: an SSH channel running `primerl.launch.remote`, its output streamed here."""
+
+    def __init__(self, process: RoleProcess, conn, command: str, say: Callable[[str], None]):
+        self.process = process
+        self.conn = conn
+        self.command = command
+        self.say = say
+        self.tail: deque[str] = deque(maxlen=40)
+        self.code: int | None = None
+        self.channel = None
+        self.reader: threading.Thread | None = None
+
+    @property
+    def label(self) -> str:
+        return self.process.label
+
+    def start(self) -> None:
+        self.channel = self.conn.create_session()
+        self.channel.set_combine_stderr(True)
+        self.channel.exec_command(self.command)
+        self.reader = threading.Thread(target=self._read, name=self.label, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.channel is not None
+        for raw in self.channel.makefile("rb"):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            self.say(f"[{self.label}] {line}")
+        self.code = self.channel.recv_exit_status()
+
+    def poll(self) -> int | None:
+        return self.code
+
+    def stop(self) -> None:
+        """Ask the host side to stop the process (SIGINT, grace, SIGKILL there)."""
+        if self.channel is None or self.code is not None:
+            return
+        try:
+            self.channel.sendall(f"{STOP_LINE}\n".encode())
+            self.channel.shutdown_write()
+        except OSError:
+            pass
+
+    def wait(self, timeout_s: float) -> None:
+        if self.reader is not None:
+            self.reader.join(timeout_s)
+        if self.code is None and self.channel is not None:
+            self.channel.close()  # the host side sees its stdin end and stops the process group
+
+
+def stop_all(processes: list[RemoteProcess], grace_s: float) -> None:
+    for p in processes:
+        p.stop()
+    deadline = time.monotonic() + grace_s + 15
+    for p in processes:
+        p.wait(max(0.1, deadline - time.monotonic()))
+
+
+def supervise(processes: list[RemoteProcess], plan: LaunchPlan, say: Callable[[str], None], started: float) -> int:
+    finishers = [p for p in processes if p.process.finishes]
+    while True:
+        for p in processes:
+            code = p.poll()
+            if code is None or (code == 0 and p.process.finishes):
+                continue
+            stop_all([q for q in processes if q is not p], plan.deploy.shutdown_grace_s)
+            address = plan.deploy.hosts[p.process.host].address
+            tail = "\n".join(p.tail)
+            say(f"launch: FAILED: {p.process.role} on host {p.process.host} ({address}) exited with code {code} "
+                f"({p.label}); every process was stopped. Last lines of {plan.log_path(p.process)}:\n{tail}")
+            return EXIT_FAILED
+        if all(p.poll() == 0 for p in finishers):
+            stop_all([p for p in processes if not p.process.finishes], plan.deploy.shutdown_grace_s)
+            where = "; ".join(f"{h}: {', '.join(p.label.split('@')[0] for p in processes if p.process.host == h)}"
+                              for h in plan.hosts)
+            say(f"launch: done, {plan.max_steps} steps in {time.time() - started:.0f}s on {len(plan.hosts)} host(s) "
+                f"({where}); run directory {plan.run_dir}")
+            return 0
+        time.sleep(POLL_S)
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def launch(request: LaunchRequest, out=sys.stdout) -> int:
+    try:
+        plan = build_plan(request.recipe, request.deploy, request.overrides)
+    except PlanError as e:
+        print(f"primerl launch ssh: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    print(plan.describe(), file=out, flush=True)
+    if request.dry_run:
+        return 0
+    started = time.time()
+    target = SshTarget(plan, out)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    processes: list[RemoteProcess] = []
+    try:
+        ok = target.preflight() and target.checklist()
+        target.say("\n" + target.table())
+        if not ok:
+            bad = [f"{h} ({', '.join(r.failed)})" for h, r in target.reports.items() if r.failed]
+            target.say(f"launch: preflight failed on host(s) {'; '.join(bad)}; nothing was started")
+            return EXIT_FAILED
+        target.say(f"launch: starting {len(plan.processes)} processes on {', '.join(plan.hosts)}")
+        processes = target.start()
+        return supervise(processes, plan, target.say, started)
+    except (KeyboardInterrupt, _Terminated):
+        target.say("\nlaunch: interrupted; stopping every process on every host")
+        stop_all(processes, plan.deploy.shutdown_grace_s)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        stop_all(processes, plan.deploy.shutdown_grace_s)
+        target.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    request = parse_request("ssh", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
+    if isinstance(request, int):
+        return request
+    return launch(request)

@@ -1,0 +1,164 @@
+"""`primerl launch ssh` against real hosts: network namespaces on this machine, each with its own sshd, the run
+directory on the filesystem they share. The launcher itself runs in a namespace of its own (the user's machine)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import tomli_w
+from conftest import CHECKLIST_SKIP, RECIPE
+
+from primerl.monitor import read_metrics
+
+pytestmark = pytest.mark.launchers
+
+
+def write_deploy(path: Path, cluster, run_dir: Path, roles: dict, hosts: dict | None = None, **extra) -> Path:
+    """A deploy file for `cluster`: every host with the test key, gloo on the host's own interface."""
+    hosts = hosts if hosts is not None else {
+        name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
+               "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
+        for name, h in cluster.hosts.items()
+    }
+    deploy = {"target": "ssh", "run_dir": str(run_dir), "checklist_skip": CHECKLIST_SKIP, "connect_timeout_s": 5,
+              "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv")}, "hosts": hosts, "roles": roles, **extra}
+    path.write_text(tomli_w.dumps({"deploy": deploy}))
+    return path
+
+
+def launch(cluster, deploy: Path, *overrides: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
+    command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE),
+                                       "--deploy", str(deploy), "--rl.max_steps=2", *overrides)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=timeout_s)
+    print(done.stdout[-6000:], done.stderr[-3000:])
+    return done
+
+
+def assert_nothing_left(cluster, run_dir: Path) -> None:
+    for name in cluster.hosts:
+        assert cluster.stray_processes(name) == set(), f"processes left running on host {name}"
+
+
+def trained_steps(run_dir: Path) -> list[int]:
+    return sorted(int(r["step"]) for r in read_metrics(run_dir, "trainer"))
+
+
+def test_down_host_and_refused_key_named_in_preflight_nothing_started(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    hosts = {
+        "a": {"address": cluster.hosts["a"].address, "user": "root", "identity_file": str(cluster.key)},
+        "down": {"address": cluster.unused_address, "user": "root", "identity_file": str(cluster.key)},
+        "nokey": {"address": cluster.hosts["b"].address, "user": "root", "identity_file": str(cluster.other_key)},
+    }
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["down", "nokey"]}
+    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles, hosts))
+    out = done.stdout
+    assert done.returncode == 1
+    assert "down: connect failed: unreachable" in out
+    assert "nokey: connect failed: refused the login" in out
+    assert "preflight failed on host(s) down (connect); nokey (connect); nothing was started" in out
+    assert "starting" not in out and not (run_dir / "logs").exists() and not (run_dir / "config").exists()
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_checklist_failure_on_one_host_starts_nothing(cluster, tmp_path, tiny_model_dir):
+    # host b's model cache holds a corrupted copy of the tiny model: its checklist's model step must fail
+    cache_b = tmp_path / "cache-b"
+    shutil.copytree(tiny_model_dir, cache_b / "models" / tiny_model_dir.name)
+    weights = cache_b / "models" / tiny_model_dir.name / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    run_dir = tmp_path / "run"
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir,
+                          {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]})
+    extra = {"deploy": {"hosts": {"b": {"env": {"PRIMERL_CACHE": str(cache_b)}}}}}
+    (tmp_path / "cache-b.toml").write_text(tomli_w.dumps(extra))
+    done = launch(cluster, deploy, "--deploy", str(tmp_path / "cache-b.toml"))
+    assert done.returncode == 1
+    table = done.stdout[done.stdout.index("host "):]
+    assert "b: model failed:" in table and "a: model failed" not in table
+    assert "preflight failed on host(s) b (model); nothing was started" in done.stdout
+    assert json.loads((run_dir / "checklist" / "a.json").read_text())["ok"] is True
+    assert not (run_dir / "logs").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_trainer_on_one_host_inference_and_orchestrator_on_another(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles))
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "launch: done, 2 steps" in done.stdout
+    assert "[trainer.0@b]" in done.stdout and "[inference.0@a]" in done.stdout
+    assert trained_steps(run_dir) == [1, 2]
+    assert (run_dir / "weights" / "step_2").is_dir()
+    record = json.loads((run_dir / "launch" / "plan.json").read_text())
+    assert [p["label"] for p in record["processes"]] == ["inference.0@a", "orchestrator@a", "trainer.0@b"]
+    assert record["checklist"]["b"]["model"] == "passed" and record["hosts"]["b"] == cluster.hosts["b"].address
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cluster, tmp_path):
+    """Each host runs one inference server and one trainer node (torchrun, 2 nodes x 1 rank, gloo); the orchestrator
+    on a spreads its requests over both servers and loads every weight version into both. Three steps: with
+    max_async_steps = 1 the third batch is the first that needs new weights (step 1's) in the servers."""
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a", "b"], "orchestrator": "a", "trainer": ["a", "b"]}
+    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles), "--rl.max_steps=3")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert trained_steps(run_dir) == [1, 2, 3]
+    for node in ("trainer.0@a", "trainer.1@b"):
+        log = (run_dir / "logs" / f"{node}.log").read_text()
+        assert "--nnodes=2" in log.splitlines()[0]
+    orchestrator = tomllib.loads((run_dir / "config" / "orchestrator.toml").read_text())
+    assert orchestrator["batch"]["num_ranks"] == 2  # batches were split for the two ranks
+    assert orchestrator["client"]["base_urls"] == [f"http://{cluster.hosts[h].address}:8000" for h in ("a", "b")]
+    for server in ("inference.0@a", "inference.1@b"):
+        log = (run_dir / "logs" / f"{server}.log").read_text()
+        assert re.search(r"(generate|chat\S*) \S+ n=\d+ ", log), f"{server} served no request"
+        assert "as policy version 1 " in log, f"{server} never got the weights of step 1"
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
+    """Host b's model cache is not a directory: its trainer dies at start (the model step, which would catch it, is
+    skipped). The launcher stops the processes on host a too and names the role and host."""
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles,
+                          checklist_skip=[*CHECKLIST_SKIP, "model"])
+    (tmp_path / "not-a-dir").write_text("")
+    extra = {"deploy": {"hosts": {"b": {"env": {"PRIMERL_CACHE": str(tmp_path / "not-a-dir")}}}}}
+    (tmp_path / "broken-b.toml").write_text(tomli_w.dumps(extra))
+    done = launch(cluster, deploy, "--deploy", str(tmp_path / "broken-b.toml"))
+    assert done.returncode == 1
+    assert "launch: FAILED: trainer on host b" in done.stdout
+    assert "every process was stopped" in done.stdout
+    assert not (run_dir / "metrics.jsonl").exists() or trained_steps(run_dir) == []
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_ctrl_c_stops_every_process_on_every_host(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles)
+    command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE),
+                                       "--deploy", str(deploy))
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # every process is up once the trainer's host has printed something
+        if line.startswith("[trainer.0@b]"):
+            break
+    proc.send_signal(signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 130
+    assert "launch: interrupted; stopping every process on every host" in rest
+    assert_nothing_left(cluster, run_dir)
