@@ -200,24 +200,26 @@ class InferencePool:
         return True
 
 
-def install_model_client_transport() -> None:
+def install_model_client_transport(request_timeout_s: float | None = None) -> None:
     """Give the model clients that verifiers' interception servers build (one per endpoint config) primerl's pool
-    settings and `MODEL_CALL_RETRIES` retries of connection errors. verifiers builds them with a 5 s keep-alive
-    expiry, no retries and a TLS context; for loopback/cluster HTTP servers that is the idle-connection race and a
-    lost rollout per dropped connection. Idempotent; checked against verifiers' interception module at call time."""
+    settings, `MODEL_CALL_RETRIES` retries of connection errors and, with `request_timeout_s`, a bound on how long
+    one model call may go without an answer (verifiers waits forever by default: a server that stops answering
+    would hang the run silently). verifiers builds them with a 5 s keep-alive expiry, no retries and a TLS context;
+    for loopback/cluster HTTP servers that is the idle-connection race and a lost rollout per dropped connection.
+    Checked against verifiers' interception module at call time; calling it again updates the timeout."""
     from openai import AsyncOpenAI
     from verifiers.v1.clients import client as clients
     from verifiers.v1.interception import server as interception
 
     original = clients.resolve_client
-    if getattr(interception.resolve_client, "_primerl", False):
-        return
 
     def resolve_client(config):
         built = original(config)
         sdk = getattr(built, "client", None)
         if isinstance(sdk, AsyncOpenAI) and str(sdk.base_url).startswith("http://"):
             timeout = sdk.timeout if isinstance(sdk.timeout, httpx.Timeout) else httpx.Timeout(None, connect=30.0)
+            if request_timeout_s is not None:
+                timeout = httpx.Timeout(request_timeout_s, connect=timeout.connect or 30.0)
             built.client = AsyncOpenAI(
                 base_url=sdk.base_url,
                 api_key=sdk.api_key,
@@ -227,7 +229,6 @@ def install_model_client_transport() -> None:
             )
         return built
 
-    resolve_client._primerl = True  # type: ignore[attr-defined]
     if not hasattr(interception, "resolve_client"):
         raise RuntimeError("verifiers' interception server no longer resolves clients by `resolve_client`")
     interception.resolve_client = resolve_client

@@ -287,7 +287,7 @@ class Orchestrator:
         if self.progress.next_step:
             log.info("resuming at step %d (%d tasks drawn so far)", self.progress.next_step, self.progress.tasks_drawn)
         renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
-        install_model_client_transport()
+        install_model_client_transport(cfg.client.request_timeout_s)
         urls = cfg.client.urls
         self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
         warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
