@@ -12,9 +12,32 @@ def _digest(directory):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
+def _transformers_version(model_dir) -> str:
+    return json.loads((model_dir / "config.json").read_text())["transformers_version"]
+
+
 def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
+    """The cache is shared by both stacks (transformers 5 and the CUDA 12 image's 4.57): the weights are the same
+    bytes whichever wrote them; every file is when the same transformers version wrote both."""
     models.build_tiny_model(tmp_path)
-    assert _digest(tmp_path) == _digest(tiny_model_dir)
+    built, cached = _digest(tmp_path), _digest(tiny_model_dir)
+    assert built["model.safetensors"] == cached["model.safetensors"]
+    if _transformers_version(tmp_path) == _transformers_version(tiny_model_dir):
+        assert built == cached
+
+
+def test_tiny_tokenizer_is_the_same_on_both_stacks(tiny_model_dir):
+    """tokenizer_config.json names a class transformers 4.57 and 5 both have, and the ids are fixed."""
+    from transformers import AutoTokenizer
+
+    assert json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "PreTrainedTokenizerFast"
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok('hello <tool_call> world {"a": 12} élan')["input_ids"]
+    assert ids == [732, 223, 1024, 483, 223, 1004, 67, 922, 743, 95, 223, 130, 105, 492, 80]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok(prompt)["input_ids"] == [1, 330, 201, 74, 75, 2, 201, 1, 710, 201]
 
 
 def test_tiny_model_loads_with_chat_template(tiny_model_dir):
