@@ -16,14 +16,18 @@ def _transformers_version(model_dir) -> str:
     return json.loads((model_dir / "config.json").read_text())["transformers_version"]
 
 
+def assert_same_tiny_model(built, cached):
+    """The model cache is shared by both stacks (transformers 5 and the CUDA 12 image's 4.57): the weights are the
+    same bytes whichever wrote them; every file is when the same transformers version wrote both."""
+    built_files, cached_files = _digest(built), _digest(cached)
+    assert built_files["model.safetensors"] == cached_files["model.safetensors"]
+    if _transformers_version(built) == _transformers_version(cached):
+        assert built_files == cached_files
+
+
 def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
-    """The cache is shared by both stacks (transformers 5 and the CUDA 12 image's 4.57): the weights are the same
-    bytes whichever wrote them; every file is when the same transformers version wrote both."""
     models.build_tiny_model(tmp_path)
-    built, cached = _digest(tmp_path), _digest(tiny_model_dir)
-    assert built["model.safetensors"] == cached["model.safetensors"]
-    if _transformers_version(tmp_path) == _transformers_version(tiny_model_dir):
-        assert built == cached
+    assert_same_tiny_model(tmp_path, tiny_model_dir)
 
 
 def test_tiny_tokenizer_is_the_same_on_both_stacks(tiny_model_dir):
@@ -97,7 +101,7 @@ def test_models_prepared_into_a_directory_are_found_through_primerl_model_dirs(m
     monkeypatch.setenv("PRIMERL_CACHE", str(cache))
     assert models.main(["prepare", "tiny", "--into", str(baked)]) == 0
     prepared = baked / tiny_model_dir.name
-    assert _digest(prepared) == _digest(tiny_model_dir)
+    assert_same_tiny_model(prepared, tiny_model_dir)
     monkeypatch.setenv(models.MODEL_DIRS_VAR, f"{tmp_path / 'missing'}:{baked}")
     assert resolve_model("tiny") == prepared
     assert not (cache / "models").exists()  # found, not rebuilt into the cache
