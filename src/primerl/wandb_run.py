@@ -3,8 +3,9 @@
 The first process to start (trainer or orchestrator of an `rl` run, or `sft`/`eval` alone) creates `<run>/wandb-run-id`
 with a fresh W&B run id; the others read it, so all of them log to the same W&B run, and a resumed run (`--resume`)
 continues it (`resume="allow"`). Online, the processes write to it in W&B's shared mode, labelled by source, with the
-creator as the primary writer; offline, each process keeps its own files under `<run>/wandb/<source>/` (two offline
-writers cannot share one directory), which `wandb sync` uploads into the one run. Each source's metrics are
+creator as the primary writer. Offline (`mode = "offline"`, or `WANDB_MODE=offline` in the environment, which wins
+over the config), each process keeps its own files under `<run>/wandb/<source>/` (two offline writers cannot share
+one directory), which `wandb sync` uploads into the one run. Each source's metrics are
 `<source>/<key>` against their own step axis `<source>/step`, so the trainer's and the orchestrator's steps never
 collide. The run's config is the recipe's manifest (`manifest.json` in the run directory or the one above it, where
 `primerl run` writes it for its stages), else the process's own resolved config.
@@ -55,10 +56,13 @@ def start(cfg: WandbConfig, run_dir: Path, source: str, config: Mapping[str, Any
     import wandb
 
     run_id, primary = shared_run_id(run_dir)
-    if cfg.mode == "online":
+    mode = cfg.mode
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled"):  # wandb's own switch wins over the config
+        mode = os.environ["WANDB_MODE"]
+    if mode == "online":
         settings = wandb.Settings(mode="shared", x_label=source, x_primary=primary, x_update_finish_state=primary)
     else:
-        settings = wandb.Settings(mode=cfg.mode, x_label=source)
+        settings = wandb.Settings(mode=mode, x_label=source)
     out = run_dir / "wandb" / source
     out.mkdir(parents=True, exist_ok=True)
     run = wandb.init(

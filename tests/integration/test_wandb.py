@@ -12,7 +12,7 @@ def test_rl_logs_every_step_of_both_processes_to_one_offline_wandb_run(tmp_path,
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    result = run_rl(run, "--max_async_steps=0", "--wandb.project=primerl-tests", "--wandb.mode=offline")
+    result = run_rl(run, "--max_async_steps=0", "--wandb.project=primerl-tests")  # mode online, but WANDB_MODE wins
     assert result.returncode == 0, result.stdout + result.stderr
     run_id = (run / RUN_ID_FILE).read_text().strip()
     history = offline_history(run)
