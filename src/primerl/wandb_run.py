@@ -34,12 +34,14 @@ def shared_run_id(run_dir: Path) -> tuple[str, bool]:
     path = run_dir / RUN_ID_FILE
     run_dir.mkdir(parents=True, exist_ok=True)
     candidate = uuid.uuid4().hex[:12]  # W&B run ids: letters and digits
+    draft = run_dir / f".{RUN_ID_FILE}.{os.getpid()}"
+    draft.write_text(candidate + "\n")
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.link(draft, path)  # appears whole or not at all: a reader never sees it empty
     except FileExistsError:
         return path.read_text().strip(), False
-    with os.fdopen(fd, "w") as f:
-        f.write(candidate + "\n")
+    finally:
+        draft.unlink()
     return candidate, True
 
 
