@@ -1,8 +1,14 @@
-# primerl:cuda13 — trainer, vLLM and orchestrator in one image: a CUDA base with cuDNN, Python 3.12, the environment
-# synced from uv.lock with the GPU extra (vllm, flash-attn). Built for linux/amd64 and linux/arm64.
+# primerl:cuda13 and primerl:cuda12 — trainer, vLLM and orchestrator in one image: a CUDA base with cuDNN, Python
+# 3.12, the environment synced from a lock with the GPU extra (vllm, flash-attn). Built for linux/amd64 and linux/arm64.
 #
 #   primerl image build --variant cuda [--platform linux/arm64] [--build-arg TORCH_CUDA_ARCH_LIST="9.0;10.0"]
+#   primerl image build --variant cuda12      (the build arguments of the CUDA 12 stack, see below)
 #   docker run --rm --gpus all -v "$PWD/runs:/opt/primerl/runs" primerl:cuda13 rl recipes/reverse-text.toml
+#
+# Two stacks, one Dockerfile. PROJECT is the uv project whose lock the image syncs: `.` (uv.lock: torch 2.13, CUDA
+# 13, vllm 0.32, transformers 5; the defaults below) or `docker/cuda12` (its own uv.lock: torch 2.10, CUDA 12.8,
+# vllm 0.19, transformers 4.57; `primerl image build --variant cuda12` passes CUDA_VERSION, PROJECT and the pins,
+# from primerl.launch.images.VARIANTS). docs/containers.md says which image needs which driver.
 #
 # Why CUDA 13: PyPI's torch 2.13 (the version in uv.lock) is built with CUDA 13.0 and brings its CUDA libraries as
 # nvidia-*-cu13 wheels; flash-attn compiles against that torch, and torch refuses an nvcc of another major version.
@@ -77,8 +83,15 @@ USER 1000:1000
 WORKDIR /opt/primerl
 
 FROM python AS deps
+ARG PROJECT=.
+# The CUDA 12 project reaches primerl and the environments by path, not as workspace members: like those, they are
+# installed with the source, in the last stage.
+ENV UV_PROJECT=${PROJECT} \
+    SOURCE_PACKAGES="primerl reverse-text alphabet-sort wordle math-sanity wiki-search"
 COPY pyproject.toml uv.lock README.md ./
-RUN uv sync --frozen --no-dev --no-install-workspace --extra gpu --no-install-package flash-attn --no-cache
+COPY docker/cuda12/pyproject.toml docker/cuda12/uv.lock docker/cuda12/
+RUN set --; for p in ${SOURCE_PACKAGES}; do set -- "$@" --no-install-package "$p"; done \
+ && uv sync --frozen --no-dev --no-install-workspace --extra gpu --no-install-package flash-attn --no-cache "$@"
 
 FROM deps AS flash-attn
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
@@ -87,9 +100,10 @@ ARG TORCH_CUDA_ARCH_LIST="9.0" \
     NVCC_THREADS=2 \
     FLASH_ATTENTION_FORCE_BUILD=TRUE \
     WHEEL_VERSION=0.45.1
-RUN uv pip install --python /opt/venv/bin/python "wheel==${WHEEL_VERSION}" \
+RUN set --; for p in ${SOURCE_PACKAGES}; do set -- "$@" --no-install-package "$p"; done \
+ && uv pip install --python /opt/venv/bin/python "wheel==${WHEEL_VERSION}" \
  && FLASH_ATTN_CUDA_ARCHS="$(printf %s "${TORCH_CUDA_ARCH_LIST}" | tr -d .)" \
-    uv sync --frozen --inexact --no-dev --no-install-workspace --extra gpu \
+    uv sync --frozen --inexact --no-dev --no-install-workspace --extra gpu "$@" \
  && uv cache prune --ci
 
 FROM flash-attn AS runtime
@@ -116,8 +130,8 @@ LABEL org.opencontainers.image.title="primerl" \
 ENTRYPOINT ["/opt/primerl/docker/entrypoint.sh"]
 COPY . ./
 RUN uv sync --locked --no-dev --no-editable --extra gpu \
- && python docker/check_pins.py --python "${PYTHON_VERSION}" --lock uv.lock --lock-sha256 "${LOCK_SHA256}" \
-        --write image-pins.json \
+ && python docker/check_pins.py --python "${PYTHON_VERSION}" --lock "${UV_PROJECT}/uv.lock" \
+        --lock-sha256 "${LOCK_SHA256}" --write image-pins.json \
         torch="${TORCH_VERSION}" transformers="${TRANSFORMERS_VERSION}" verifiers="${VERIFIERS_VERSION}" \
         vllm="${VLLM_VERSION}" flash-attn="${FLASH_ATTN_VERSION}" ${PRIMERL_VERSION:+primerl="${PRIMERL_VERSION}"} \
  && for m in ${PREPARE_MODELS}; do primerl models prepare "$m" --into /opt/primerl/models || exit 1; done \

@@ -16,17 +16,12 @@ import pytest
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from primerl.launch.images import dockerfile_args
+from primerl.launch.images import LABEL_PINS, VARIANTS, context_build_args, dockerfile_args
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = {"cpu": ROOT / "docker/cpu.Dockerfile", "cuda": ROOT / "docker/cuda.Dockerfile"}
-KEY_PACKAGES = {  # Dockerfile build argument -> locked package
-    "TORCH_VERSION": "torch",
-    "TRANSFORMERS_VERSION": "transformers",
-    "VERIFIERS_VERSION": "verifiers",
-    "VLLM_VERSION": "vllm",
-    "FLASH_ATTN_VERSION": "flash-attn",
-}
+KEY_PACKAGES = LABEL_PINS  # Dockerfile build argument -> locked package
+CUDA12 = VARIANTS["cuda12"]
 
 
 @pytest.fixture(scope="module")
@@ -34,13 +29,22 @@ def pyproject() -> dict:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())
 
 
-@pytest.fixture(scope="module")
-def locked() -> dict[str, list[dict]]:
+def read_lock(path: Path) -> dict[str, list[dict]]:
     """Locked packages by name (a name can be locked at several versions, one per environment marker)."""
     packages: dict[str, list[dict]] = {}
-    for package in tomllib.loads((ROOT / "uv.lock").read_text())["package"]:
+    for package in tomllib.loads(path.read_text())["package"]:
         packages.setdefault(package["name"], []).append(package)
     return packages
+
+
+@pytest.fixture(scope="module")
+def locked() -> dict[str, list[dict]]:
+    return read_lock(ROOT / "uv.lock")
+
+
+@pytest.fixture(scope="module")
+def locked_cuda12() -> dict[str, list[dict]]:
+    return read_lock(ROOT / CUDA12.project / "uv.lock")
 
 
 def locked_version(locked: dict[str, list[dict]], name: str) -> str:
@@ -96,12 +100,16 @@ def test_one_python_version_everywhere(pyproject, flake):
     assert Version(f"{version}.0") in supported, f"Python {version} is outside requires-python {supported}"
 
 
-def test_cuda_major_follows_the_locked_torch(locked, flake):
+def torch_cuda_major(locked: dict[str, list[dict]]) -> str:
     """torch's CUDA libraries come as nvidia-*-cuXY wheels; flash-attn must be compiled with an nvcc of that major."""
     torch = locked["torch"][0]
     majors = {m for d in torch["dependencies"] for m in re.findall(r"^nvidia-.*-cu(\d+)$", d["name"])}
     assert len(majors) == 1, f"cannot tell torch's CUDA major from its locked dependencies: {majors}"
-    major = majors.pop()
+    return majors.pop()
+
+
+def test_cuda_major_follows_the_locked_torch(locked, flake):
+    major = torch_cuda_major(locked)
     base_cuda = dockerfile_args(DOCKERFILES["cuda"])["CUDA_VERSION"]
     assert base_cuda.split(".")[0] == major, f"cuda.Dockerfile builds on CUDA {base_cuda}, torch needs CUDA {major}"
     flake_cuda = set(re.findall(r"pkgs\.cudaPackages_(\d+)\b", flake))
@@ -135,3 +143,31 @@ def test_flake_lock_pins_every_input_by_rev_and_nar_hash(flake):
         assert (original["owner"], original["repo"], original.get("ref")) == (owner, repo, ref), (
             f"{name}: flake.lock locks {original}, flake.nix asks for {url.group(0)}"
         )
+
+
+def test_cuda12_image_pins_its_own_lock(locked, locked_cuda12):
+    """primerl:cuda12 builds from the same Dockerfile with the CUDA 12 lock: its label pins are read from that lock
+    (one version each), the base's CUDA major is the one its torch was built for, and what both stacks share
+    (verifiers, flash-attn, Python) is the same as in the main lock."""
+    args = context_build_args(ROOT, CUDA12)
+    for arg, package in KEY_PACKAGES.items():
+        assert args[arg] == locked_version(locked_cuda12, package), f"cuda12: {arg}={args[arg]}"
+    assert args["TORCH_VERSION"] == "2.10.0" and args["TRANSFORMERS_VERSION"].startswith("4.57.")
+    assert args["CUDA_VERSION"].split(".")[0] == torch_cuda_major(locked_cuda12) == "12"
+    for package in ("verifiers", "flash-attn"):
+        assert locked_version(locked_cuda12, package) == locked_version(locked, package), package
+    cuda12 = tomllib.loads((ROOT / CUDA12.project / "pyproject.toml").read_text())
+    python = dockerfile_args(DOCKERFILES["cuda"])["PYTHON_VERSION"]
+    assert Version(f"{python}.0") in SpecifierSet(cuda12["project"]["requires-python"])
+    assert args["LOCK_SHA256"] != context_build_args(ROOT, VARIANTS["cuda"])["LOCK_SHA256"]
+
+
+def test_cuda12_lock_overrides_only_the_stack(pyproject):
+    """The CUDA 12 project depends on primerl itself (its extras mirror primerl's) and overrides only the packages
+    that make the stack; everything else resolves from primerl's own requirements."""
+    cuda12 = tomllib.loads((ROOT / CUDA12.project / "pyproject.toml").read_text())
+    overridden = {re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in cuda12["tool"]["uv"]["override-dependencies"]}
+    assert overridden == {"torch", "transformers", "vllm"}
+    assert set(cuda12["project"]["optional-dependencies"]) == set(pyproject["project"]["optional-dependencies"])
+    members = {tomllib.loads(p.read_text())["project"]["name"] for p in ROOT.glob("environments/*/pyproject.toml")}
+    assert set(cuda12["project"]["dependencies"]) == {"primerl"} | members

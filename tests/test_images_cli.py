@@ -44,6 +44,8 @@ def test_default_tags_name_the_cuda_major_of_the_base():
     cuda = dockerfile_args(ROOT / VARIANTS["cuda"].dockerfile)["CUDA_VERSION"].split(".")[0]
     assert VARIANTS["cuda"].default_tag(ROOT) == f"primerl:cuda{cuda}"
     assert VARIANTS["cpu"].default_tag(ROOT) == "primerl:cpu"
+    assert VARIANTS["cuda12"].default_tag(ROOT) == "primerl:cuda12"
+    assert cuda == "13"
 
 
 def test_unreachable_daemon_is_one_line_and_exit_1(monkeypatch, tmp_path, capsys):

@@ -12,9 +12,36 @@ def _digest(directory):
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.iterdir())}
 
 
+def _transformers_version(model_dir) -> str:
+    return json.loads((model_dir / "config.json").read_text())["transformers_version"]
+
+
+def assert_same_tiny_model(built, cached):
+    """The model cache is shared by both stacks (transformers 5 and the CUDA 12 image's 4.57): the weights are the
+    same bytes whichever wrote them; every file is when the same transformers version wrote both."""
+    built_files, cached_files = _digest(built), _digest(cached)
+    assert built_files["model.safetensors"] == cached_files["model.safetensors"]
+    if _transformers_version(built) == _transformers_version(cached):
+        assert built_files == cached_files
+
+
 def test_tiny_model_is_deterministic(tmp_path, tiny_model_dir):
     models.build_tiny_model(tmp_path)
-    assert _digest(tmp_path) == _digest(tiny_model_dir)
+    assert_same_tiny_model(tmp_path, tiny_model_dir)
+
+
+def test_tiny_tokenizer_is_the_same_on_both_stacks(tiny_model_dir):
+    """tokenizer_config.json names a class transformers 4.57 and 5 both have, and the ids are fixed."""
+    from transformers import AutoTokenizer
+
+    assert json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["tokenizer_class"] == (
+        "PreTrainedTokenizerFast"
+    )
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tok('hello <tool_call> world {"a": 12} élan')["input_ids"]
+    assert ids == [732, 223, 1024, 483, 223, 1004, 67, 922, 743, 95, 223, 130, 105, 492, 80]
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert tok(prompt)["input_ids"] == [1, 330, 201, 74, 75, 2, 201, 1, 710, 201]
 
 
 def test_tiny_model_loads_with_chat_template(tiny_model_dir):
@@ -74,7 +101,7 @@ def test_models_prepared_into_a_directory_are_found_through_primerl_model_dirs(m
     monkeypatch.setenv("PRIMERL_CACHE", str(cache))
     assert models.main(["prepare", "tiny", "--into", str(baked)]) == 0
     prepared = baked / tiny_model_dir.name
-    assert _digest(prepared) == _digest(tiny_model_dir)
+    assert_same_tiny_model(prepared, tiny_model_dir)
     monkeypatch.setenv(models.MODEL_DIRS_VAR, f"{tmp_path / 'missing'}:{baked}")
     assert resolve_model("tiny") == prepared
     assert not (cache / "models").exists()  # found, not rebuilt into the cache

@@ -50,3 +50,49 @@ def test_plot_writes_pngs(tmp_path, capsys):
 def test_plot_without_metrics_is_an_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def _wandb_writer(run_dir, source, records):
+    from primerl.config.common import WandbConfig
+
+    logger = MetricsLogger(run_dir, source, wandb=WandbConfig(project="primerl-tests", mode="offline"))
+    assert logger._wandb.config["recipe"] == {"name": "tiny"}  # the manifest, not the (empty) fallback config
+    for step, metrics in records:
+        logger.log(step, metrics)
+    logger.close()
+
+
+def test_processes_of_one_run_dir_log_to_one_wandb_run(tmp_path, monkeypatch):
+    """Two processes of one run directory (as the trainer and orchestrator of an rl run) share one W&B run and its
+    config (the manifest when the run has one); the offline files hold every step of each, on its own step axis."""
+    from primerl.wandb_run import RUN_ID_FILE, offline_history
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "manifest.json").write_text(json.dumps({"recipe": {"name": "tiny"}}))
+    writers = [
+        mp.Process(target=_wandb_writer, args=(tmp_path, "orchestrator", [(s, {"reward_mean": s / 4}) for s in range(3)])),
+        mp.Process(target=_wandb_writer, args=(
+            tmp_path, "trainer", [(s + 1, {"loss": s * 0.5, "lr": 1e-4, "note": "not a metric"}) for s in range(3)]
+        )),
+    ]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join()
+    assert [p.exitcode for p in writers] == [0, 0]
+    history = offline_history(tmp_path)
+    run_id = (tmp_path / RUN_ID_FILE).read_text().strip()
+    assert list(history) == [run_id]
+    rows = history[run_id]
+    assert [(r["trainer/step"], r["trainer/loss"]) for r in rows if "trainer/step" in r] == [(1, 0.0), (2, 0.5),
+                                                                                             (3, 1.0)]
+    assert [r["orchestrator/reward_mean"] for r in rows if "orchestrator/step" in r] == [0.0, 0.25, 0.5]
+    assert not any("trainer/note" in r for r in rows)
+
+
+def test_wandb_is_off_without_a_project(tmp_path):
+    from primerl.config.common import WandbConfig
+
+    logger = MetricsLogger(tmp_path, "trainer", wandb=WandbConfig(mode="offline"))
+    logger.log(1, {"loss": 1.0})
+    assert logger._wandb is None and not (tmp_path / "wandb").exists()

@@ -31,6 +31,7 @@ import httpx
 from primerl.config import config_from_argv
 from primerl.config.eval import EvalConfig
 from primerl.config.inference import InferenceConfig
+from primerl.monitor import MetricsLogger
 
 log = logging.getLogger("primerl.eval")
 
@@ -171,6 +172,10 @@ def run_eval(cfg: EvalConfig) -> int:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(results, indent=1))
     tmp.replace(path)
+    if cfg.wandb.project:
+        logger = MetricsLogger(cfg.output_dir, "eval", wandb=cfg.wandb, config={"eval": cfg.model_dump(mode="json")})
+        logger.log(0, {key: value for key, value in results.items() if isinstance(value, int | float)})
+        logger.close()
     k = results["k"]
     print(f"eval {results['env']} | {results['model']} | {results['num_examples']} tasks x {k} | "
           f"avg@{k} {results[f'avg@{k}']:.4f} | pass@{k} {results[f'pass@{k}']:.4f} | pass@1 {results['pass@1']:.4f} | "

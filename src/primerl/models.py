@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -58,7 +59,7 @@ SMOLLM2 = EmbeddedModel(
 )
 
 # Bump when the tiny model's recipe changes, so stale caches are never reused.
-TINY_VERSION = "v2"
+TINY_VERSION = "v3"
 
 CHATML_TEMPLATE = (
     "{% if tools %}"
@@ -224,12 +225,24 @@ def convert_gguf(model: EmbeddedModel, out: Path, progress: bool = True) -> None
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
     lm.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_portable_tokenizer(tokenizer, out)
     (out / "PRIMERL_SOURCE").write_text(f"{model.package} {model.gguf_file} sha256={model.gguf_sha256}\n")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The tiny test model
+
+
+def save_portable_tokenizer(tokenizer, out: Path) -> None:
+    """`save_pretrained`, then name the class in tokenizer_config.json as `PreTrainedTokenizerFast`, which both
+    transformers 4.57 (the CUDA 12 stack) and 5.x load from tokenizer.json. transformers 5 writes its own
+    `TokenizersBackend` there, a class 4.57 does not know; the tokens (tokenizer.json) stay as written."""
+    tokenizer.save_pretrained(out)
+    config_path = Path(out) / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _tiny_corpus() -> list[str]:
@@ -299,7 +312,7 @@ def build_tiny_model(out: Path) -> None:
     model = LlamaForCausalLM(config).to(torch.float32)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
+    save_portable_tokenizer(tokenizer, out)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

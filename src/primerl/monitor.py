@@ -14,25 +14,30 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from primerl.config.common import WandbConfig
 
 METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLogger:
-    """Appends step records to `<run_dir>/metrics.jsonl` and, when `wandb_project` is set, to Weights & Biases."""
+    """Appends step records to `<run_dir>/metrics.jsonl` and, when `wandb.project` is set, to the run directory's
+    Weights & Biases run (`primerl.wandb_run`), with `config` as the W&B config when the run has no manifest."""
 
-    def __init__(self, run_dir: str | os.PathLike, source: str, wandb_project: str | None = None, enabled: bool = True):
+    def __init__(self, run_dir: str | os.PathLike, source: str, wandb: WandbConfig | None = None,
+                 config: Mapping[str, Any] = {}, enabled: bool = True):
         self.path = Path(run_dir) / METRICS_FILE
         self.source = source
         self.enabled = enabled
         self._wandb = None
         if enabled:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if wandb_project:
-                import wandb  # optional: only when asked for
+            if wandb is not None and wandb.project and wandb.mode != "disabled":
+                from primerl import wandb_run
 
-                self._wandb = wandb.init(project=wandb_project, name=f"{Path(run_dir).name}-{source}", resume="allow")
+                self._wandb = wandb_run.start(wandb, self.path.parent, source, config)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         record = {"step": int(step), "source": self.source, "time": round(time.time(), 3)}
@@ -45,9 +50,15 @@ class MetricsLogger:
             finally:
                 os.close(fd)
             if self._wandb is not None:
-                self._wandb.log({f"{self.source}/{k}": v for k, v in record.items() if isinstance(v, int | float)},
-                                step=int(step))
+                self._wandb.log({f"{self.source}/{k}": v for k, v in record.items()
+                                 if isinstance(v, int | float) and not isinstance(v, bool) and k != "time"})
         return record
+
+    def close(self) -> None:
+        """Finish the W&B run of this process (a no-op without W&B); metrics.jsonl needs no closing."""
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def _jsonable(value: Any) -> Any:

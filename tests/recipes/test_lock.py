@@ -112,3 +112,27 @@ def test_replace_tables_adds_a_new_table_next_to_its_family():
 def test_replace_tables_refuses_what_it_cannot_edit_in_place():
     with pytest.raises(TomlEditError, match=r"\[b\]"):
         replace_tables(DOC, {"b": {"z": "1"}})
+
+
+def test_lock_with_image_ids_pins_only_the_images(tmp_path):
+    """What the image pipeline runs after a build: the image id per architecture goes into [pins.images]; the other
+    pins stay as written (they describe the machine the recipe was locked on, not the pipeline's runner)."""
+    path = tmp_path / "unlocked.toml"
+    path.write_text(UNLOCKED)
+    amd64, arm64 = "sha256:" + "a" * 64, "sha256:" + "b" * 64
+    proc = primerl("recipe", "lock", str(path), "--image", f"amd64={amd64}", "--image", f"arm64={arm64}")
+    assert proc.returncode == 0, proc.stderr
+    recipe = load_recipe(path)
+    assert recipe.pins.images == {"amd64": amd64, "arm64": arm64}
+    assert path.read_text().startswith(UNLOCKED.split("# the stage")[0])
+    assert recipe.pins.packages == {"torch": "unpinned"}
+
+
+def test_lock_with_a_bad_image_id_leaves_the_recipe_as_it_was(tmp_path):
+    path = tmp_path / "unlocked.toml"
+    path.write_text(UNLOCKED)
+    proc = primerl("recipe", "lock", str(path), "--image", "amd64=latest")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and str(path) in proc.stderr and "sha256:<64 hex digits>" in proc.stderr
+    assert path.read_text() == UNLOCKED
+    assert list(tmp_path.iterdir()) == [path]

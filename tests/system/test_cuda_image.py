@@ -1,8 +1,9 @@
-"""primerl:cuda13 cannot be built here (no registry for the CUDA base, no nvcc, hours of flash-attn on 2 cores). What
-can be: both Dockerfiles pass hadolint, and the cuda Dockerfile's first stage (`python`: Python with headers and a
-compiler, uv, the unprivileged user) builds with the local Debian base standing in for the CUDA base. The later stages
-need the CUDA base: `flash-attn` needs its nvcc, and `deps` installs gigabytes of CUDA wheels that only a GPU host
-uses."""
+"""The CUDA images (primerl:cuda13 from uv.lock, primerl:cuda12 from docker/cuda12/uv.lock, one Dockerfile) cannot be
+built whole here (no registry for the CUDA base, no nvcc, hours of flash-attn on 2 cores); ci/workflows/images.yml
+builds them. What can be: both Dockerfiles pass hadolint; the `python` stage (Python with headers and a compiler, uv,
+the unprivileged user) builds with the local Debian base standing in for the CUDA base (an image test); and, opt-in
+with the marker `cuda_deps`, each stack's `deps` stage (its lock with vLLM, gigabytes of CUDA wheels) builds there
+and imports vLLM."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import subprocess
 import pytest
 from docker_helpers import ROOT, remove_image, run_in_image
 
-from primerl.launch.images import VARIANTS, build_image, dockerfile_args
+from primerl.launch.images import VARIANTS, build_image, context_build_args, dockerfile_args
 
 pytestmark = pytest.mark.system
 
@@ -51,5 +52,33 @@ def test_cuda_python_stage_builds_on_the_local_base(docker_client, base_image, b
         uv_version = dockerfile_args(ROOT / VARIANTS["cuda"].dockerfile)["UV_VERSION"]
         code, out = run_in_image(docker_client, result.image_id, [f"python{base_python}", "-c", probe])
         assert (code, out.split()) == (0, ["1000", "True", "True", "True", "True", uv_version]), out
+    finally:
+        remove_image(docker_client, result.image_id)
+
+
+@pytest.mark.cuda_deps
+@pytest.mark.parametrize("variant", ["cuda", "cuda12"])
+def test_cuda_deps_stage_installs_vllm_on_the_local_base(docker_client, base_image, base_python, variant):
+    """The `deps` stage of each CUDA stack (its lock with the `gpu` extra, flash-attn aside) builds on the local base
+    and vLLM imports in it, at the version and torch the stack pins. Opt-in (`-m cuda_deps`): about 9 GB of wheels per
+    stack and, with vfs, tens of GB of transient disk (docs/containers.md has the figures)."""
+    stack = VARIANTS[variant]
+    pins = {**stack.args(ROOT), **context_build_args(ROOT, stack)}  # the build arguments `primerl image build` uses
+    result = build_image(
+        docker_client,
+        context=ROOT,
+        variant=stack,
+        tag=f"primerl-test:{variant}-deps-{os.getpid()}",
+        target="deps",
+        build_args={"BASE_IMAGE": base_image, "PYTHON_VERSION": base_python},
+    )
+    try:
+        probe = "import torch, transformers, vllm; print(vllm.__version__, torch.__version__, transformers.__version__)"
+        code, out = run_in_image(docker_client, result.image_id, ["python", "-c", probe])
+        assert code == 0, out
+        vllm, torch, transformers = out.split()[-3:]
+        assert (vllm, torch.split("+")[0], transformers) == (
+            pins["VLLM_VERSION"], pins["TORCH_VERSION"], pins["TRANSFORMERS_VERSION"]
+        ), out
     finally:
         remove_image(docker_client, result.image_id)

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from primerl.config.base import ProcessConfig
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 from primerl.config.inference import InferenceConfig
 from primerl.config.orchestrator import EnvSection, SamplingSection
 from primerl.config.rl import section_of
@@ -37,6 +37,7 @@ class EvalConfig(ProcessConfig):
     max_concurrent: int = Field(64, ge=1, description="rollouts in flight at most")
     seed: int = Field(0, description="seed of the task selection")
     output_dir: Path = Field(Path("runs/eval"), description="results.json (and the server's log) go here")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
     startup_timeout_s: float = Field(900.0, gt=0, description="wait this long for a started server to be healthy")
     inference: EvalInferenceSection = Field(
         default_factory=EvalInferenceSection, description="the server eval starts when base_url is not set"

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 
 from primerl.config.base import ProcessConfig, Section
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 
 
 class RuntimeSection(Section):
@@ -157,6 +157,7 @@ class OrchestratorConfig(ProcessConfig):
         default_factory=OrchestratorCheckpointSection, description="orchestrator checkpoints"
     )
     resume: bool = Field(False, description="continue from the newest orchestrator checkpoint in run_dir")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
 
     @model_validator(mode="after")
     def _bounds(self) -> OrchestratorConfig:

@@ -7,6 +7,7 @@ into each process's config; the `[inference]`, `[orchestrator]` and `[trainer]` 
     max_steps = 20                          # -> orchestrator.max_steps, trainer.train.max_steps
     max_async_steps = 1                     # -> orchestrator.max_async_steps
     seq_len = 2048                          # -> orchestrator.batch.seq_len (the trainer reads it from each batch)
+    wandb.project = "reverse-text"          # -> orchestrator.wandb, trainer.wandb (one W&B run for both)
     weight_transfer = "filesystem"          # -> trainer.weights.transfer, inference.weight_transfer
 
 A shared key cannot be set again inside a section (it is not a key of the section at all), so a run never has two
@@ -26,7 +27,7 @@ import pydantic
 from pydantic import Field, create_model, model_validator
 
 from primerl.config.base import ProcessConfig, Section
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 from primerl.config.inference import InferenceConfig
 from primerl.config.loader import FILE_LAYER
 from primerl.config.orchestrator import OrchestratorConfig
@@ -37,10 +38,11 @@ from primerl.ports import free_port
 INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
 ORCHESTRATOR_SHARED = {
     "run_dir", "model", "served_model_name", "seed", "max_steps", "max_async_steps", "resume", "admin_token",
-    "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks",
+    "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks", "wandb",
 }
 TRAINER_SHARED = {
     "run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
+    "wandb",
 }
 # What `process_configs` puts in for `trainer.weights.broadcast.port = 0` when the caller names no port: validation
 # only needs some port, and must not hold one.
@@ -124,6 +126,9 @@ class RLConfig(ProcessConfig):
         description="how new weights reach inference: filesystem = full snapshots under weights/; broadcast = a "
         "collective group from trainer rank 0 to the server (trainer.weights.broadcast sets it up); shared = the "
         "server copies each version from the trainer's buffer on the device they share (one GPU, or the CPU)",
+    )
+    wandb: WandbConfig = Field(
+        default_factory=WandbConfig, description="Weights & Biases: one W&B run for the trainer and the orchestrator"
     )
     devices: DevicesSection = Field(default_factory=DevicesSection, description="GPU assignment")
     inference: InferenceSection = Field(default_factory=InferenceSection, description="the inference server")
@@ -258,15 +263,16 @@ class RLConfig(ProcessConfig):
                 self.inference.vllm.model_fields_set):
             inference["vllm"]["gpu_memory_utilization"] = 0.45  # leave the trainer half of the shared GPU
         orchestrator = self.orchestrator.model_dump()
+        wandb = self.wandb.model_dump()
         orchestrator.update(
-            run_dir=self.output_dir, model=model, seed=self.seed, max_steps=self.max_steps,
+            run_dir=self.output_dir, model=model, wandb=wandb, seed=self.seed, max_steps=self.max_steps,
             max_async_steps=self.max_async_steps, resume=self.resume,
             served_model_name=self.inference.served_model_name,
         )
         orchestrator["client"]["base_url"] = base_url
         orchestrator["batch"].update(seq_len=self.seq_len, num_ranks=devices.trainer_ranks)
         trainer = self.trainer.model_dump()
-        trainer.update(run_dir=self.output_dir, model=model)
+        trainer.update(run_dir=self.output_dir, model=model, wandb=wandb)
         trainer["train"].update(max_steps=self.max_steps, seed=self.seed)
         trainer["ckpt"]["resume"] = "latest" if self.resume else None
         self._share_weight_transfer(inference, trainer, broadcast_port)

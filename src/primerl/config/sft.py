@@ -7,7 +7,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 
 from primerl.config.base import ProcessConfig, Section
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 from primerl.config.trainer import (
     CheckpointConfig,
     LoraConfig,
@@ -51,6 +51,7 @@ class SFTConfig(ProcessConfig):
     weights: WeightsConfig = Field(
         default_factory=lambda: WeightsConfig(interval=None), description="weight export (default: at the end)"
     )
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
 
     @model_validator(mode="after")
     def _decay_needs_length(self) -> SFTConfig:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from primerl.config.base import ProcessConfig, Section
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 
 Attention = Literal["auto", "varlen", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
@@ -154,6 +154,7 @@ class TrainerConfig(ProcessConfig):
     data: RolloutDataConfig = Field(default_factory=RolloutDataConfig, description="batches")
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="weight export for inference")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
 
     @model_validator(mode="after")
     def _decay_needs_length(self) -> TrainerConfig:

@@ -1,6 +1,6 @@
 """`primerl image build | run | inspect`: primerl's container images through the Docker API (docker-py).
 
-    primerl image build [--variant cpu|cuda] [--tag T] [--platform linux/arm64] [--base-image IMG] [--build-arg K=V]
+    primerl image build [--variant cpu|cuda|cuda12] [--tag T] [--platform linux/arm64] [--base-image IMG] [--build-arg K=V]
     primerl image run [--run-dir DIR] [--gpus auto|all|none|N|0,1] IMAGE rl recipes/tiny.toml --run-dir runs/tiny
     primerl image inspect IMAGE
 
@@ -50,18 +50,38 @@ class Variant:
     name: str
     dockerfile: str  # relative to the build context
     summary: str
+    project: str = "."  # the uv project (relative to the context) whose uv.lock the image syncs
+    build_args: tuple[tuple[str, str], ...] = ()  # fixed build arguments of this variant
+
+    def args(self, context: Path) -> dict[str, str]:
+        """The Dockerfile's defaults with this variant's build arguments over them."""
+        return {**dockerfile_args(context / self.dockerfile), **dict(self.build_args)}
 
     def default_tag(self, context: Path) -> str:
-        """`primerl:cpu`, or `primerl:cuda<major>` from the CUDA version the cuda Dockerfile builds on."""
-        if self.name == "cuda":
-            cuda = dockerfile_args(context / self.dockerfile)["CUDA_VERSION"]
-            return f"primerl:cuda{cuda.split('.')[0]}"
-        return f"primerl:{self.name}"
+        """`primerl:cpu`, or `primerl:cuda<major>` from the CUDA version the image builds on."""
+        cuda = self.args(context).get("CUDA_VERSION")
+        return f"primerl:cuda{cuda.split('.')[0]}" if cuda else f"primerl:{self.name}"
 
 
+CUDA12_PROJECT = "docker/cuda12"
 VARIANTS = {
     "cpu": Variant("cpu", "docker/cpu.Dockerfile", "the locked environment without the GPU extra"),
-    "cuda": Variant("cuda", "docker/cuda.Dockerfile", "CUDA base, the locked environment with vllm and flash-attn"),
+    "cuda": Variant("cuda", "docker/cuda.Dockerfile", "CUDA 13 base, uv.lock with vllm and flash-attn"),
+    "cuda12": Variant(
+        "cuda12",
+        "docker/cuda.Dockerfile",
+        f"CUDA 12.8 base, {CUDA12_PROJECT}/uv.lock (torch 2.10, vllm 0.19) with vllm and flash-attn",
+        project=CUDA12_PROJECT,
+        build_args=(("CUDA_VERSION", "12.8.1"), ("PROJECT", CUDA12_PROJECT)),
+    ),
+}
+# Build argument -> the locked package whose version it states (the labels carry them; docker/check_pins.py checks).
+LABEL_PINS = {
+    "TORCH_VERSION": "torch",
+    "TRANSFORMERS_VERSION": "transformers",
+    "VERIFIERS_VERSION": "verifiers",
+    "VLLM_VERSION": "vllm",
+    "FLASH_ATTN_VERSION": "flash-attn",
 }
 
 
@@ -80,13 +100,24 @@ def dockerfile_args(path: Path) -> dict[str, str]:
     return args
 
 
-def context_build_args(context: Path) -> dict[str, str]:
-    """Build arguments computed from the build context: the lock's sha256 and the project's version."""
+def locked_versions(lock: Path) -> dict[str, set[str]]:
+    """Every package name in a uv.lock with its locked versions (several where environment markers split it)."""
+    versions: dict[str, set[str]] = {}
+    for package in tomllib.loads(lock.read_text())["package"]:
+        versions.setdefault(package["name"], set()).add(package.get("version", ""))
+    return versions
+
+
+def context_build_args(context: Path, variant: Variant) -> dict[str, str]:
+    """Build arguments computed from the build context: the variant's lock's sha256, the project's version, the
+    variant's fixed arguments, and for a variant with a lock of its own the label pins read from that lock."""
     project = tomllib.loads((context / "pyproject.toml").read_text())["project"]
-    return {
-        "LOCK_SHA256": hashlib.sha256((context / "uv.lock").read_bytes()).hexdigest(),
-        "PRIMERL_VERSION": project["version"],
-    }
+    lock = context / variant.project / "uv.lock"
+    args = {"LOCK_SHA256": hashlib.sha256(lock.read_bytes()).hexdigest(), "PRIMERL_VERSION": project["version"]}
+    if variant.project != ".":
+        versions = locked_versions(lock)
+        args.update({arg: ",".join(sorted(versions.get(name, {""}))) for arg, name in LABEL_PINS.items()})
+    return {**args, **dict(variant.build_args)}
 
 
 def git_revision(context: Path) -> str | None:
@@ -169,7 +200,7 @@ def build_image(
 ) -> BuildResult:
     """Build `variant` from `context` with the classic builder; `progress(event)` sees every decoded build event.
     Build arguments computed from the context (lock sha256, version) come first; `build_args` override them."""
-    args = {**context_build_args(context), **build_args}
+    args = {**context_build_args(context, variant), **build_args}
     labels = {}
     revision = git_revision(context)
     if revision:

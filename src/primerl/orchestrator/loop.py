@@ -270,7 +270,9 @@ class Orchestrator:
             cfg.batch.tasks_per_step if cfg.advantage.max_extra_groups is None else cfg.advantage.max_extra_groups
         )
         self.progress = resume_progress(self.run_dir) if cfg.resume else Progress()
-        self.metrics = MetricsLogger(self.run_dir, "orchestrator")
+        self.metrics = MetricsLogger(
+            self.run_dir, "orchestrator", wandb=cfg.wandb, config={"orchestrator": cfg.model_dump(mode="json")}
+        )
         self.model_name = cfg.served_model_name or cfg.model.name
         self.pending: set[asyncio.Task] = set()
         self.ready: deque[Group] = deque()

@@ -3,6 +3,9 @@
     primerl recipe lock RECIPE... [--check] compute the pins from this machine and write them into the recipe file
                                            (comments and everything outside [pins] stay as they are); --check only
                                            reports whether the pins are current (exit 1 if not)
+    primerl recipe lock RECIPE... --image ARCH=sha256:ID...
+                                           write only these image ids into [pins.images] (what the image pipeline
+                                           does after a build; every other pin stays as it is)
     primerl recipe verify RECIPE           compare every pin with this machine (exit 3 on drift)
     primerl recipe diff RUN_A RUN_B        what differs between two runs' manifests, outside their volatile fields
 """
@@ -19,9 +22,12 @@ from primerl.recipes.schema import RecipeError, load_recipe
 from primerl.recipes.tomledit import TomlEditError, replace_tables
 
 
-def lock(path: Path, check_only: bool = False) -> int:
+def lock(path: Path, check_only: bool = False, images: dict[str, str] | None = None) -> int:
     recipe = load_recipe(path)
-    tables, notes = compute_pins(recipe, progress=stderr_progress)
+    if images:
+        tables, notes = {"pins.images": {**recipe.pins.images, **images}}, []
+    else:
+        tables, notes = compute_pins(recipe, progress=stderr_progress)
     for note in notes:
         print(f"primerl recipe lock: note: {note}", file=sys.stderr)
     text = path.read_text()
@@ -32,10 +38,24 @@ def lock(path: Path, check_only: bool = False) -> int:
     if check_only:
         print(f"{path}: pins are out of date (run `primerl recipe lock {path}`)")
         return 1
-    path.write_text(updated)
-    load_recipe(path)  # what was written must still be a valid recipe
+    draft = path.with_name(f".{path.name}.lock.toml")  # beside the recipe: its includes resolve the same way
+    draft.write_text(updated)
+    try:
+        load_recipe(draft)  # what is written must still be a valid recipe; the recipe is untouched until it is
+        draft.replace(path)
+    except RecipeError as e:
+        raise RecipeError(str(e).replace(str(draft), str(path))) from None
+    finally:
+        draft.unlink(missing_ok=True)
     print(f"{path}: pins updated")
     return 0
+
+
+def _image_pin(item: str) -> tuple[str, str]:
+    arch, sep, image_id = item.partition("=")
+    if not sep:
+        raise RecipeError(f"--image '{item}' is not ARCH=sha256:ID")
+    return arch, image_id
 
 
 def verify(path: Path) -> int:
@@ -62,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     p_lock = sub.add_parser("lock", help="compute the pins from this machine and write them into the recipe")
     p_lock.add_argument("recipes", type=Path, nargs="+")
     p_lock.add_argument("--check", action="store_true", help="only report whether the pins are current")
+    p_lock.add_argument("--image", action="append", default=[], metavar="ARCH=sha256:ID",
+                        help="pin this image id for ARCH (amd64, arm64) and change no other pin; repeatable")
     p_verify = sub.add_parser("verify", help="compare every pin with this machine")
     p_verify.add_argument("recipe", type=Path)
     p_diff = sub.add_parser("diff", help="compare the manifests of two run directories")
@@ -70,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.cmd == "lock":
-            return max(lock(path, args.check) for path in args.recipes)
+            images = dict(_image_pin(item) for item in args.image)
+            return max(lock(path, args.check, images) for path in args.recipes)
         if args.cmd == "verify":
             return verify(args.recipe)
         return diff(args.run_a, args.run_b)

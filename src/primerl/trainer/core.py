@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from primerl.config.common import ModelConfig
+from primerl.config.common import ModelConfig, WandbConfig
 from primerl.config.trainer import (
     CheckpointConfig,
     LoraConfig,
@@ -80,11 +80,19 @@ class TrainerParts:
     scheduler: SchedulerConfig
     ckpt: CheckpointConfig
     weights: WeightsConfig
+    wandb: WandbConfig
 
     @classmethod
     def of(cls, cfg) -> TrainerParts:
         """The parts of an RL or SFT trainer config (both carry every section under the same names)."""
         return cls(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cls)})
+
+    def as_json(self) -> dict[str, Any]:
+        return {f.name: _jsonable_part(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _jsonable_part(value: Any) -> Any:
+    return value.model_dump(mode="json") if hasattr(value, "model_dump") else str(value)
 
 
 def micro_batches(arrays: dict[str, np.ndarray], rows_per_micro_batch: int, device: torch.device) -> list[MicroBatch]:
@@ -131,7 +139,9 @@ class Trainer:
         self.optimizer = build_optimizer(self.policy, parts.optim)
         self.scheduler = build_scheduler(self.optimizer, parts.scheduler, parts.train.max_steps)
         self.checkpointer = Checkpointer(parts.run_dir, parts.ckpt, self.dist)
-        self.metrics = MetricsLogger(parts.run_dir, source, enabled=self.dist.is_main)
+        self.metrics = MetricsLogger(
+            parts.run_dir, source, wandb=parts.wandb, config={source: parts.as_json()}, enabled=self.dist.is_main
+        )
         self.export_dtype = (
             self.policy.compute_dtype if parts.weights.dtype == "auto" else getattr(torch, parts.weights.dtype)
         )
