@@ -35,12 +35,15 @@ from primerl.config.rl import DeviceAssignment, RLConfig
 from primerl.launch.processes import (
     ManagedProcess,
     child_environment,
+    exit_with_parent,
     primerl_command,
     stop_all,
     torchrun_command,
 )
 from primerl.monitor import METRICS_FILE, format_line
 from primerl.ports import free_port
+from primerl.transport import checkpoints
+from primerl.transport import weights as weight_snapshots
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
@@ -69,6 +72,18 @@ def visible_gpus() -> list[str]:
     except (subprocess.SubprocessError, OSError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def require_writable(run_dir: Path) -> None:
+    """Create `run_dir` and prove a file can be written there; LaunchError (one line) when not: its parent is a file,
+    the filesystem is read-only or full, permissions."""
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise LaunchError(f"cannot write to the run directory {run_dir}: {e.strerror or e}") from None
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -266,6 +281,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     started = time.time()
     try:
         check_run_dir(run_dir, cfg.resume)
+        require_writable(run_dir)
         gpus = visible_gpus()
         try:
             devices = cfg.assign_devices(len(gpus))
@@ -276,6 +292,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     except LaunchError as e:
         print(f"rl: {e}", file=sys.stderr)
         return 2
+    if cfg.resume:
+        _forget_what_is_redone(run_dir, stream)
 
     print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
@@ -323,6 +341,20 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
         time.sleep(POLL_S)
 
 
+def _forget_what_is_redone(run_dir: Path, stream) -> None:
+    """Before a resumed run starts: weight snapshots newer than the trainer checkpoint it resumes from go (those steps
+    are trained again; a server that loaded the old version k would never load the new one), and so do staging
+    leftovers of a killed export. Done here, before any process starts, so no server can load them in between."""
+    step = checkpoints.latest_trainer_step(run_dir)
+    leftovers = weight_snapshots.remove_staging_leftovers(run_dir)
+    removed = weight_snapshots.remove_after(run_dir, step)
+    print(f"rl: resuming from trainer checkpoint step {step}" if step else "rl: no trainer checkpoint; the trainer "
+          "starts from the initial model", file=stream, flush=True)
+    if removed or leftovers:
+        print(f"rl: removed weight snapshots {removed} (newer than the checkpoint) and {len(leftovers)} staging "
+              "leftover(s)", file=stream, flush=True)
+
+
 def _prepare_model(cfg: RLConfig) -> None:
     """Build or convert a registry model once here, so the processes that start next all find it cached."""
     from primerl.models import ModelError, resolve_model
@@ -342,6 +374,7 @@ def _trained_steps(run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`rl recipe.toml` runs a recipe (pins, checklist, stages); `rl [@] config.toml` runs a plain RL config."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_with_parent()
     from primerl.recipes import recipe_in_argv
 
     if recipe_in_argv(argv):
