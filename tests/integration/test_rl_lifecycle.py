@@ -14,6 +14,7 @@ import pytest
 from conftest import REPO, processes_of_run, rl_command, wait_for
 
 from primerl.launch.local import _forget_what_is_redone
+from primerl.monitor import read_metrics
 from primerl.transport import weights
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -67,7 +68,7 @@ def _snapshot(run: Path, step: int) -> None:
     weights.publish(staged, run, step)
 
 
-def test_a_resume_forgets_snapshots_newer_than_the_checkpoint_and_staging_leftovers(tmp_path, capsys):
+def test_a_resume_forgets_what_is_trained_again(tmp_path, capsys):
     run = tmp_path / "run"
     for step in range(1, 6):
         _snapshot(run, step)
@@ -78,11 +79,15 @@ def test_a_resume_forgets_snapshots_newer_than_the_checkpoint_and_staging_leftov
     leftover = run / "weights" / ".step_6.tmp-999999"
     leftover.mkdir()
     (leftover / "model.safetensors").write_bytes(b"half a model")
+    records = [{"source": "trainer", "step": s} for s in range(1, 6)] + [{"source": "orchestrator", "step": 4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"torn')
 
     _forget_what_is_redone(run, sys.stdout)
 
     assert weights.stable_steps(run) == [1, 2, 3]
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3"]
     out = capsys.readouterr().out
-    assert "resuming from trainer checkpoint step 3" in out
-    assert "removed weight snapshots [4, 5]" in out
+    assert f"resuming the trainer from {run / 'checkpoints' / 'step_3'} (step 3)" in out
+    assert "removed weight snapshots [4, 5], 1 staging leftover(s), 3 trainer record(s)" in out
+    assert [(r["source"], r["step"]) for r in read_metrics(run)] == [
+        ("trainer", 1), ("trainer", 2), ("trainer", 3), ("orchestrator", 4)]
