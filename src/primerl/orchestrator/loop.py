@@ -41,6 +41,7 @@ from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
 from primerl.orchestrator.client import InferencePool, install_model_client_transport
 from primerl.orchestrator.scheduler import PolicyBound
+from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
 from primerl.transport import weights
 
@@ -542,7 +543,10 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutsFailing as e:
         log.error("orchestrator failed: %s", e)
         return 1
-    except Exception:
+    except Exception as e:
+        if (line := storage_failure(e)) is not None:
+            print(f"primerl orchestrator: {line}", file=sys.stderr, flush=True)
+            return 1
         log.exception("orchestrator failed")
         return 1
     return 0

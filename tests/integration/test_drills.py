@@ -1,0 +1,55 @@
+"""Kill drills (drills.py): each process of a tiny CPU run killed at a point of the run, then `--resume`: the run
+finishes every step, nothing is lost, each step's metrics appear once, at most the steps since the last checkpoint are
+redone. Also: the run directory's filesystem fills up (a sized tmpfs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, processes_of_run, rl_command
+from drills import DRILLS, run_drill
+
+from primerl.transport.checkpoints import latest_trainer_step
+
+pytestmark = [pytest.mark.drills, pytest.mark.integration,
+              pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+
+@pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])
+def test_kill_then_resume(drill, tmp_path):
+    row = run_drill(drill, tmp_path / "run")
+    assert row["outcome"] == "finished", row
+    assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
+    assert row["duplicate_batch_records"] == 0, row
+    assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+
+
+def _mount_tmpfs(where, size: str) -> None:
+    where.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True,
+                             text=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")
+
+
+def test_a_full_disk_stops_the_run_in_one_line_and_resume_works_after(tmp_path):
+    disk = tmp_path / "disk"
+    _mount_tmpfs(disk, "12m")
+    run = disk / "run"
+    try:
+        full = subprocess.run(rl_command(run, "--max_steps=200"), cwd=REPO, capture_output=True, text=True,
+                              timeout=900, check=False)
+        assert full.returncode == 1, full.stdout + full.stderr
+        assert "no space left on the device writing" in full.stderr, full.stderr[-3000:]
+        assert not processes_of_run(run)
+        checkpoint = latest_trainer_step(run)
+        assert checkpoint >= 1, full.stdout
+        subprocess.run(["mount", "-o", "remount,size=200m", str(disk)], check=True)
+        resumed = subprocess.run(rl_command(run, f"--max_steps={checkpoint + 2}", "--resume"), cwd=REPO,
+                                 capture_output=True, text=True, timeout=900, check=False)
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert f"(step {checkpoint})" in resumed.stdout
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
