@@ -9,7 +9,6 @@ for the chat, token and admin routes; hypothesis TOML documents and command line
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import json
 import platform
 import sys
@@ -46,7 +45,6 @@ def main() -> None:
     parser.add_argument("--loader-inputs", type=int, default=2_000)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    faulthandler.dump_traceback_later(300, repeat=True)  # a stuck fuzzer says where it is stuck
 
     from primerl.models import resolve_model
 

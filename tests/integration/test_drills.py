@@ -4,6 +4,7 @@ redone. Also: the run directory's filesystem fills up (a sized tmpfs)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -15,6 +16,16 @@ from primerl.transport.checkpoints import latest_trainer_step
 
 pytestmark = [pytest.mark.drills, pytest.mark.integration,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
+
+
+DRILLS_VAR = "PRIMERL_DRILLS"
+
+
+@pytest.fixture(autouse=True)
+def _opt_in():
+    if os.environ.get(DRILLS_VAR) != "1":
+        pytest.skip(f"the drills are opt-in ({DRILLS_VAR}=1 pytest -m drills; .ci/run runs them as their own group): "
+                    "each runs the tiny RL run twice, about a minute each on 2 idle cores")
 
 
 @pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])

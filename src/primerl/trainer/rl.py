@@ -106,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging(int(os.environ.get("RANK", "0")), "trainer")
     try:
         train(cfg)
-    except OSError as e:
+    except BaseException as e:  # torch's CheckpointException is a BaseException
         if (line := storage_failure(e)) is None:
             raise
         print(f"primerl trainer: {line}", file=sys.stderr, flush=True)
