@@ -164,7 +164,9 @@ def fuzz_bodies(base_url: str, admin_token: str, budget: int, tally: Tally) -> N
     raw = st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode())
     with httpx.Client(base_url=base_url, timeout=60) as http:
         for route in routes:
-            headers = {"Authorization": f"Bearer {admin_token}"} if route.startswith("/admin/") else {}
+            headers = {"Content-Type": "application/json"}
+            if route.startswith("/admin/"):
+                headers["Authorization"] = f"Bearer {admin_token}"
             label = f"POST {route} (hypothesis)"
 
             def send(drawn: tuple[bytes, bool], route: str = route, headers: dict = headers, label: str = label) -> None:

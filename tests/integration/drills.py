@@ -50,6 +50,12 @@ DRILLS = [
 ]
 
 
+def _steps_being_written(run: Path) -> list[int]:
+    """Steps whose weights or checkpoint were being written (staging directories present)."""
+    staged = [*run.glob("weights/.step_*.tmp-*"), *(p.parent for p in run.glob("checkpoints/step_*/trainer.tmp"))]
+    return [int(re.search(r"step_(\d+)", p.name).group(1)) for p in staged]
+
+
 def _pid_of(run: Path, process: str, launcher: subprocess.Popen) -> int | None:
     if process == "rl":
         return launcher.pid
@@ -68,8 +74,9 @@ def run_drill(drill: Drill, run: Path) -> dict:
         assert time.monotonic() < deadline, f"{drill.name}: the point was never reached"
         time.sleep(0.005)
     pid = _pid_of(run, drill.process, launcher)
-    trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
     os.kill(pid, signal.SIGKILL)
+    trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
+    started_before = max([trained_before, *_steps_being_written(run)])
     launcher.communicate(timeout=300)
     wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the killed run to stop")
     first_exit = launcher.returncode
@@ -86,8 +93,9 @@ def run_drill(drill: Drill, run: Path) -> dict:
         "point": drill.point,
         "first_run_exit": first_exit,
         "trained_before_kill": trained_before,
+        "step_in_progress_at_kill": started_before if started_before > trained_before else None,
         "resumed_from_checkpoint": resumed_from,
-        "steps_redone": max(0, trained_before - resumed_from),
+        "steps_redone": max(0, started_before - resumed_from),
         "steps_lost": len(set(range(1, MAX_STEPS + 1)) - set(trainer_steps)),
         "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
         "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),

@@ -1,17 +1,19 @@
 """Kill drills (drills.py): each process of a tiny CPU run killed at a point of the run, then `--resume`: the run
 finishes every step, nothing is lost, each step's metrics appear once, at most the steps since the last checkpoint are
-redone. Also: the run directory's filesystem fills up (a sized tmpfs)."""
+redone. Also: the run directory's filesystem fills up (a sized tmpfs); the inference server hangs."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
-from conftest import REPO, processes_of_run, rl_command
+from conftest import REPO, processes_of_run, rl_command, wait_for
 from drills import DRILLS, run_drill
 
+from primerl.monitor import read_metrics
 from primerl.transport.checkpoints import latest_trainer_step
 
 pytestmark = [pytest.mark.drills, pytest.mark.integration,
@@ -64,3 +66,25 @@ def test_a_full_disk_stops_the_run_in_one_line_and_resume_works_after(tmp_path):
         assert f"(step {checkpoint})" in resumed.stdout
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+@pytest.mark.xfail(strict=True, reason="found by this drill: after SIGSTOP of the server the orchestrator waits silently "
+                   "(no message, no exit) well past client.request_timeout_s and retry_s; the client layer must time "
+                   "out its model calls")
+def test_a_hung_inference_server_ends_the_run_within_the_configured_time(tmp_path):
+    """The server stops answering (SIGSTOP: alive, port open, silent) mid-run: model calls time out, the orchestrator
+    gives up, and `rl` exits non-zero with a message instead of waiting forever."""
+    run = tmp_path / "run"
+    timeouts = ("--orchestrator.client.request_timeout_s=10", "--orchestrator.client.retry_s=10")
+    launcher = subprocess.Popen(rl_command(run, "--max_steps=50", *timeouts), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: len(read_metrics(run, "trainer")) >= 1, timeout=600, what="a trained step", proc=launcher)
+        (server,) = [pid for pid, cmd in processes_of_run(run).items() if "inference.toml" in cmd]
+        os.kill(server, signal.SIGSTOP)
+        _, err = launcher.communicate(timeout=240)  # far above what the timeouts allow; a hang fails here
+    finally:
+        for pid in processes_of_run(run):
+            os.kill(pid, signal.SIGKILL)
+    assert launcher.returncode == 1, err[-3000:]
+    assert "orchestrator exited with code 1" in err, err[-3000:]
