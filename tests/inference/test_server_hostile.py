@@ -52,6 +52,15 @@ def test_an_oversized_client_string_is_refused_not_echoed(server: RunningServer)
     assert len(server.log()) - offset < 5000
 
 
+@pytest.mark.parametrize("path", ["/tmp/" + "x" * 300, "/tmp/a\u0000b", "relative/../../etc"])
+def test_odd_weight_paths_are_a_400(server: RunningServer, path: str):
+    """Found by the fuzzer: a path component longer than the filesystem allows made os.stat raise (500)."""
+    response = httpx.post(f"{server.base_url}/admin/update_weights", json={"path": path, "step": 1},
+                          headers=server.admin_headers())
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "weights_not_found"
+
+
 def test_a_wrong_method_is_405_with_allow(server: RunningServer):
     response = httpx.get(f"{server.base_url}/v1/chat/completions")
     assert response.status_code == 405

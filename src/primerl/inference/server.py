@@ -385,7 +385,12 @@ class InferenceServer:
 
     async def update_weights(self, req: UpdateWeightsRequest) -> AdminState:
         path = Path(req.path)
-        if not path.exists():
+        try:
+            found = path.exists()
+        except OSError as e:  # a name too long for the filesystem, ...
+            raise APIError(400, f"no weights at {printable(req.path)}: {e.strerror}", param="path",
+                           code="weights_not_found") from None
+        if not found:
             raise APIError(400, f"no weights at {printable(req.path)}", param="path", code="weights_not_found")
         if path.is_dir() and (path / weight_snapshots.SHARED).is_file():
             return await self._load_shared(path, req.step)
