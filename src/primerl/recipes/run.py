@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     exit_with_parent()
     try:
         recipe = load_recipe(args.recipe)
+        recipe.require_supported()  # a capability this build lacks is the first thing to say
         require_gpus(recipe)
         overrides = stage_overrides(recipe, rest)
         run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
