@@ -14,6 +14,7 @@ export UV_PROJECT_ENVIRONMENT="$PWD/.venv-cuda12"
 uv sync --locked --compile-bytecode --project docker/cuda12
 if [ $# -eq 0 ]; then
     set -- tests/test_models.py tests/test_monitor.py tests/trainer tests/inference -m "not slow" \
-        --deselect tests/trainer/test_rl_trainer.py::test_resume_after_kill_repeats_the_same_steps
+        --deselect tests/trainer/test_rl_trainer.py::test_resume_after_kill_repeats_the_same_steps \
+        --ignore tests/inference/test_connections.py
 fi
 "$UV_PROJECT_ENVIRONMENT/bin/python" -m pytest "$@"

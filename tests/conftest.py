@@ -63,7 +63,7 @@ def port() -> int:
     return free_port()
 
 
-_TIER_ORDER = {"integration": 2, "slow": 1, "system": 3, "launchers": 4, "images": 4}
+_TIER_ORDER = {"fuzz": 1, "integration": 2, "drills": 2, "slow": 1, "system": 3, "launchers": 4, "images": 4}
 
 
 def pytest_collection_modifyitems(config, items):

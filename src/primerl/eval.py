@@ -57,7 +57,7 @@ def select_tasks(taskset: Any, count: int, seed: int) -> list[Any]:
     from primerl.orchestrator.loop import TaskStream
 
     stream = TaskStream(taskset, seed)
-    return [stream.next() for _ in range(min(count, len(stream) or count))]
+    return [stream.next()[1] for _ in range(min(count, len(stream) or count))]
 
 
 async def wait_until_serving(base_url: str, timeout_s: float) -> None:

@@ -85,6 +85,30 @@ def read_metrics(run_dir: str | os.PathLike, source: str | None = None) -> list[
     return out
 
 
+def drop_records_after(run_dir: str | os.PathLike, source: str, step: int) -> int:
+    """Remove the records of `source` with a step above `step` (a resumed process writes them again) and any torn
+    line; return how many went. Rewrites the file atomically: call it only while nothing writes to it."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            dropped += 1
+            continue
+        if record.get("source") == source and int(record.get("step", 0)) > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
+    return dropped
+
+
 def format_line(step: int, metrics: Mapping[str, Any], keys: Iterable[str], prefix: str = "") -> str:
     """`step 3 | loss 0.1234 | lr 1.0e-05 | ...` with compact number formatting, missing keys left out."""
     parts = [f"{prefix}step {step}"]

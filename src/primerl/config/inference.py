@@ -65,6 +65,9 @@ class InferenceConfig(ProcessConfig):
         "looks at the tokens (1 = one step at a time; rows with top_p < 1 or top_k always go one step at a time)",
     )
     max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
+    max_concurrent_requests: int = Field(
+        1024, ge=1, description="completion requests in flight at most; more are refused at once with 429"
+    )
     seed: int = Field(0, description="seeds the per-request seeds drawn for requests that bring none")
     log_level: LogLevel = Field("info", description="debug | info | warning | error")
     vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")

@@ -14,6 +14,22 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Client strings
+
+MAX_NAME_CHARS = 256  # `model`, `request_id`: strings the server keeps, logs and echoes
+MAX_PATH_CHARS = 4096  # `/admin/update_weights` path
+
+
+def printable(text: str, limit: int = 200) -> str:
+    """`text` (something a client sent) made safe for one log line or error message: control characters, newlines
+    and other non-printable characters appear escaped (`\\n`, `\\x1b`, `\\u2028`), and at most `limit` characters
+    of it are kept. A client string can then neither forge a log line nor flood the log."""
+    cut = text[:limit]
+    escaped = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in cut)
+    return escaped + (f"...(+{len(text) - limit} chars)" if len(text) > limit else "")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Errors
 
 
@@ -28,6 +44,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -35,9 +52,23 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: `{"error": {"message", "type", "param", "code"}}` (OpenAI's shape)."""
+
+    error: ErrorDetail
 
 
 def context_length_error(prompt_tokens: int, max_model_len: int, param: str) -> APIError:
@@ -157,7 +188,7 @@ class StreamOptions(RequestModel):
 
 
 class ChatCompletionRequest(SamplingFields):
-    model: str
+    model: str = Field(max_length=MAX_NAME_CHARS)
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stream: bool = False
@@ -271,10 +302,10 @@ class GenerateSamplingParams(SamplingFields):
 
 
 class GenerateRequest(RequestModel):
-    model: str
+    model: str = Field(max_length=MAX_NAME_CHARS)
     token_ids: list[int] = Field(min_length=1)
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
-    request_id: str | None = None
+    request_id: str | None = Field(None, max_length=MAX_NAME_CHARS, description="echoed in the response")
 
 
 class TokenIdLogprob(ResponseModel):
@@ -327,7 +358,11 @@ class Health(ResponseModel):
 
 
 class UpdateWeightsRequest(RequestModel):
-    path: str = Field(min_length=1, description="directory with safetensors weights (a run's weights/step_<n>)")
+    path: str = Field(
+        min_length=1,
+        max_length=MAX_PATH_CHARS,
+        description="directory with safetensors weights (a run's weights/step_<n>)",
+    )
     step: int = Field(ge=0, description="the trainer step these weights come from; becomes the policy version")
 
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,6 +38,7 @@ from primerl.config.inference import InferenceConfig
 from primerl.inference.chat import CompletionText, cut_at_stop, render_chat, split_tool_calls
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
 from primerl.inference.protocol import (
+    MAX_NAME_CHARS,
     AdminState,
     APIError,
     AssistantMessage,
@@ -48,6 +49,7 @@ from primerl.inference.protocol import (
     ChoiceLogprobs,
     ChunkChoice,
     ChunkDelta,
+    ErrorBody,
     FunctionCallDelta,
     GenerateChoice,
     GenerateLogprobs,
@@ -65,12 +67,14 @@ from primerl.inference.protocol import (
     UpdateWeightsRequest,
     Usage,
     context_length_error,
+    printable,
 )
 from primerl.transport import weights as weight_snapshots
 
 log = logging.getLogger("primerl.inference")
 
 POLICY_VERSION_HEADER = "X-Policy-Version"
+MAX_LOGGED_FIELDS = 20  # ignored request fields named in the log line, at most
 SHUTDOWN_GRACE_S = 10  # on SIGTERM/SIGINT, requests in flight get this long to finish before they are aborted
 
 
@@ -168,14 +172,16 @@ class InferenceServer:
         if model != self.served_name:
             raise APIError(
                 404,
-                f"model '{model}' is not served here; this server serves '{self.served_name}'",
+                f"model '{printable(model)}' is not served here; this server serves '{self.served_name}'",
                 param="model",
                 code="model_not_found",
             )
 
     def log_ignored_fields(self, body: RequestModel, route: str) -> None:
         if ignored := body.ignored_fields():
-            log.info("%s: ignoring unsupported fields %s", route, ", ".join(ignored))
+            names = ", ".join(printable(name, 64) for name in ignored[:MAX_LOGGED_FIELDS])
+            more = f" and {len(ignored) - MAX_LOGGED_FIELDS} more" if len(ignored) > MAX_LOGGED_FIELDS else ""
+            log.info("%s: ignoring unsupported fields %s%s", route, names, more)
 
     def engine_params(
         self,
@@ -365,20 +371,27 @@ class InferenceServer:
 
     # ---- /admin/*
 
-    def require_admin(self, request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), self.admin_token.encode()):
-            raise APIError(
-                401,
-                "admin routes need 'Authorization: Bearer <admin token>'",
-                type="authentication_error",
-                code="invalid_admin_token",
-            )
+    def admin_error(self, authorization: str) -> APIError | None:
+        """The 401 for an `Authorization` header that does not carry the admin token, else None."""
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() == "bearer" and secrets.compare_digest(token.strip().encode(), self.admin_token.encode()):
+            return None
+        return APIError(
+            401,
+            "admin routes need 'Authorization: Bearer <admin token>'",
+            type="authentication_error",
+            code="invalid_admin_token",
+        )
 
     async def update_weights(self, req: UpdateWeightsRequest) -> AdminState:
         path = Path(req.path)
-        if not path.exists():
-            raise APIError(400, f"no weights at {req.path}", param="path", code="weights_not_found")
+        try:
+            found = path.exists()
+        except OSError as e:  # a name too long for the filesystem, ...
+            raise APIError(400, f"no weights at {printable(req.path)}: {e.strerror}", param="path",
+                           code="weights_not_found") from None
+        if not found:
+            raise APIError(400, f"no weights at {printable(req.path)}", param="path", code="weights_not_found")
         if path.is_dir() and (path / weight_snapshots.SHARED).is_file():
             return await self._load_shared(path, req.step)
         marker = weight_snapshots.broadcast_marker(path) if path.is_dir() else None
@@ -405,9 +418,10 @@ class InferenceServer:
             try:
                 await self.engine.update_weights(path, req.step)
             except (OSError, ValueError, KeyError) as e:
-                raise APIError(400, f"could not load weights from {req.path}: {e}", param="path") from None
+                raise APIError(400, f"could not load weights from {printable(req.path)}: {e}", param="path") from None
             self._loaded_snapshot = identity
-            log.info("weights: loaded %s as policy version %d in %.2fs", path, req.step, time.perf_counter() - started)
+            log.info("weights: loaded %s as policy version %d in %.2fs", printable(req.path), req.step,
+                     time.perf_counter() - started)
         return self.admin_state()
 
     async def _load_shared(self, path: Path, step: int) -> AdminState:
@@ -453,7 +467,7 @@ class InferenceServer:
         log.info(
             "%s %s n=%d prompt=%d completion=%d finish=%s version=%d %.2fs",
             route,
-            request_id,
+            printable(request_id),
             len(samples),
             usage.prompt_tokens,
             usage.completion_tokens,
@@ -504,9 +518,11 @@ def create_app(engine: Engine, cfg: InferenceConfig) -> FastAPI:
     app = FastAPI(title="primerl inference", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = server
     _install_error_handlers(app)
-    admin = [Depends(server.require_admin)]
+    # outermost first: the token is checked before anything reads the body, then completions are admitted
+    app.add_middleware(AdmissionLimit, limit=cfg.max_concurrent_requests, paths=COMPLETION_ROUTES)
+    app.add_middleware(AdminGate, server=server)
 
-    @app.get("/health", response_model=Health)
+    @app.get("/health", response_model=Health, responses=_errors(503))
     async def health() -> JSONResponse:
         ok = engine.healthy()
         body = Health(
@@ -527,36 +543,124 @@ def create_app(engine: Engine, cfg: InferenceConfig) -> FastAPI:
         )
         return ModelList(data=[card])
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=_errors(400, 404, 429, 503))
     async def chat_completions(req: ChatCompletionRequest) -> Any:
         return await server.chat(req)
 
-    @app.post("/inference/v1/generate")
+    @app.post("/inference/v1/generate", responses=_errors(400, 404, 429, 503))
     async def generate(req: GenerateRequest) -> Any:
         return await server.generate(req)
 
-    @app.post("/admin/update_weights", dependencies=admin)
+    @app.post("/admin/update_weights", responses=_errors(400, 401))
     async def update_weights(req: UpdateWeightsRequest) -> AdminState:
         return await server.update_weights(req)
 
-    @app.post("/admin/pause", dependencies=admin)
+    @app.post("/admin/pause", responses=_errors(401))
     async def pause() -> AdminState:
         return await server.set_paused(True)
 
-    @app.post("/admin/resume", dependencies=admin)
+    @app.post("/admin/resume", responses=_errors(401))
     async def resume() -> AdminState:
         return await server.set_paused(False)
 
+    _document_errors(app)
     return app
+
+
+COMPLETION_ROUTES = ("/v1/chat/completions", "/inference/v1/generate")
+_ERROR_WHEN = {
+    400: "invalid request: the message names the field",
+    401: "missing or wrong admin token",
+    404: "unknown model",
+    429: "too many requests in flight (`max_concurrent_requests`); retry after `Retry-After` seconds",
+    503: "the engine is not serving (starting, stopping, failed)",
+}
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for the errors a route answers with, all in the `ErrorBody` shape."""
+    return {status: {"model": ErrorBody, "description": _ERROR_WHEN[status]} for status in statuses}
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Make the OpenAPI schema say what the routes answer: validation errors are 400 (not FastAPI's 422), every
+    route may answer 405 (with `Allow`) to another method and 500 with the error body."""
+    generate_schema = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate_schema()
+            for operations in schema["paths"].values():
+                for operation in operations.values():
+                    responses = operation["responses"]
+                    responses.pop("422", None)
+                    content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}
+                    responses["405"] = {"description": "method not allowed; `Allow` names the allowed ones",
+                                        "content": content}
+                    responses["500"] = {"description": "internal error", "content": content}
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+class AdminGate:
+    """ASGI middleware: `/admin/*` without the admin token is a 401 before the body is read or validated."""
+
+    def __init__(self, app: Any, server: InferenceServer) -> None:
+        self.app, self.server = app, server
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/admin/"):
+            headers = dict(scope["headers"])
+            error = self.server.admin_error(headers.get(b"authorization", b"").decode("latin-1"))
+            if error is not None:
+                await _error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class AdmissionLimit:
+    """ASGI middleware: at most `limit` requests to `paths` in flight (a streaming response counts until its last
+    byte); one more is refused at once with 429 and `Retry-After`, so a flood queues nowhere in the server."""
+
+    def __init__(self, app: Any, limit: int, paths: Sequence[str]) -> None:
+        self.app, self.limit, self.paths = app, limit, set(paths)
+        self.in_flight = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            error = APIError(
+                429,
+                f"{self.in_flight} requests in flight, this server's limit (max_concurrent_requests); retry later",
+                type="rate_limit_error",
+                code="too_many_requests",
+                headers={"Retry-After": "1"},
+            )
+            await _error_response(error)(scope, receive, send)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    """The response for `error`, logged on one line (what the client sent appears escaped and bounded)."""
+    log.info("%d %s", error.status, printable(error.message, 500))
+    headers = {**(error.headers or {}), **({"WWW-Authenticate": "Bearer"} if error.status == 401 else {})}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     """Every error leaves as an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`."""
-
-    def respond(error: APIError) -> JSONResponse:
-        log.info("%d %s", error.status, error.message)
-        headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    respond = _error_response
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, error: APIError) -> JSONResponse:
@@ -569,7 +673,8 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
-        return respond(APIError(error.status_code, f"{request.method} {request.url.path}: {error.detail}", type=kind))
+        where = printable(f"{request.method} {request.url.path}", MAX_NAME_CHARS)
+        return respond(APIError(error.status_code, f"{where}: {error.detail}", type=kind, headers=error.headers))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception) -> JSONResponse:

@@ -35,12 +35,15 @@ from primerl.config.rl import DeviceAssignment, RLConfig
 from primerl.launch.processes import (
     ManagedProcess,
     child_environment,
+    exit_with_parent,
     primerl_command,
     stop_all,
     torchrun_command,
 )
-from primerl.monitor import METRICS_FILE, format_line
+from primerl.monitor import METRICS_FILE, drop_records_after, format_line
 from primerl.ports import free_port
+from primerl.transport import checkpoints
+from primerl.transport import weights as weight_snapshots
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
@@ -69,6 +72,18 @@ def visible_gpus() -> list[str]:
     except (subprocess.SubprocessError, OSError):
         return []
     return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def require_writable(run_dir: Path) -> None:
+    """Create `run_dir` and prove a file can be written there; LaunchError (one line) when not: its parent is a file,
+    the filesystem is read-only or full, permissions."""
+    probe = run_dir / f".write-test-{os.getpid()}"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as e:
+        raise LaunchError(f"cannot write to the run directory {run_dir}: {e.strerror or e}") from None
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:
@@ -131,7 +146,7 @@ class Console:
         self.offset = self.path.stat().st_size if self.path.exists() else 0
         self.orchestrator: dict[int, dict] = {}
         self.first_record_at: float | None = None
-        self.steps_done = first_step
+        self.first_step = self.steps_done = first_step
         self.bar = None
         if stream.isatty():
             from tqdm import tqdm
@@ -266,6 +281,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     started = time.time()
     try:
         check_run_dir(run_dir, cfg.resume)
+        require_writable(run_dir)
         gpus = visible_gpus()
         try:
             devices = cfg.assign_devices(len(gpus))
@@ -276,11 +292,13 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     except LaunchError as e:
         print(f"rl: {e}", file=sys.stderr)
         return 2
+    if cfg.resume:
+        _forget_what_is_redone(run_dir, stream)
 
     print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
     print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
-    first_step = _trained_steps(run_dir) if cfg.resume else 0
+    first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone: the checkpoint's step
     console = Console(run_dir, cfg.max_steps, first_step, stream)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
@@ -317,10 +335,29 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
         if all(by_name[name].poll() == 0 for name in finishers):
             console.poll()
             stop_all([by_name["inference"]], cfg.shutdown_grace_s)
-            print(f"rl: done, {cfg.max_steps} steps in {time.time() - started:.0f}s; metrics in "
-                  f"{cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
+            trained = console.steps_done - console.first_step
+            resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
+            print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
+                  f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
             return 0
         time.sleep(POLL_S)
+
+
+def _forget_what_is_redone(run_dir: Path, stream) -> None:
+    """Before a resumed run starts: weight snapshots newer than the trainer checkpoint it resumes from go (those steps
+    are trained again; a server that loaded the old version k would never load the new one), and so do staging
+    leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
+    before any process starts, so no server can load the snapshots and no process writes metrics meanwhile."""
+    step = checkpoints.latest_trainer_step(run_dir)
+    leftovers = weight_snapshots.remove_staging_leftovers(run_dir)
+    removed = weight_snapshots.remove_after(run_dir, step)
+    records = drop_records_after(run_dir, "trainer", step)
+    where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
+    print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "
+          "trainer starts from the initial model", file=stream, flush=True)
+    if removed or leftovers or records:
+        print(f"rl: steps after {step} are trained again: removed weight snapshots {removed}, {len(leftovers)} "
+              f"staging leftover(s), {records} trainer record(s) of metrics.jsonl", file=stream, flush=True)
 
 
 def _prepare_model(cfg: RLConfig) -> None:
@@ -342,6 +379,7 @@ def _trained_steps(run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """`rl recipe.toml` runs a recipe (pins, checklist, stages); `rl [@] config.toml` runs a plain RL config."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    exit_with_parent()
     from primerl.recipes import recipe_in_argv
 
     if recipe_in_argv(argv):

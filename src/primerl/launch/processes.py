@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,29 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+_watching_parent = False
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """SIGTERM this process when the process that started it dies (`uv run rl` killed by a CI cancel or `timeout -s
+    KILL`): a launcher then stops its children instead of finishing the run with nobody watching. A thread polls the
+    parent pid; unlike a parent-death signal it does not fire when merely the thread that spawned us exits."""
+    global _watching_parent
+    if _watching_parent:
+        return
+    _watching_parent = True
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"{os.path.basename(sys.argv[0])}: the process that started it ({parent}) is gone; stopping",
+              file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def primerl_command(*args: str) -> list[str]:

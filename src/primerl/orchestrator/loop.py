@@ -41,6 +41,7 @@ from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
 from primerl.orchestrator.client import InferencePool, install_model_client_transport
 from primerl.orchestrator.scheduler import PolicyBound
+from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
 from primerl.transport import weights
 
@@ -63,10 +64,12 @@ class RolloutsFailing(RuntimeError):
 
 @dataclass
 class Progress:
-    """What `--resume` restores: the next step to write, how many tasks were drawn, and the running totals."""
+    """What `--resume` restores: the next step to write, how many tasks were drawn, which of those were still in
+    flight (their groups in no published batch yet: drawn again first, in order), and the running totals."""
 
     next_step: int = 0
     tasks_drawn: int = 0
+    tasks_in_flight: list[int] = field(default_factory=list)  # draw indices (0-based)
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
     rollouts: int = 0
@@ -117,11 +120,14 @@ def published_steps(run_dir: Path) -> list[int]:
 
 
 def resume_progress(run_dir: Path) -> Progress:
-    """The progress to continue from: the newest checkpoint, moved past batches that were published after it (a
-    batch already on disk is never rewritten: a resumed trainer may be reading it)."""
+    """The progress to continue from: the newest checkpoint, or the progress recorded with a batch published after it
+    (a batch already on disk is never rewritten: a resumed trainer may be reading it)."""
     progress = load_progress(run_dir) or Progress()
     published = published_steps(run_dir)
     if published and published[-1] >= progress.next_step:
+        meta = json.loads((run_dir / batches.ROLLOUTS_DIR / f"step_{published[-1]}" / batches.META_FILE).read_text())
+        recorded = meta.get("extra", {}).get("progress")
+        progress = Progress(**recorded) if recorded else progress
         progress.next_step = published[-1] + 1
     return progress
 
@@ -132,28 +138,46 @@ def resume_progress(run_dir: Path) -> Progress:
 
 class TaskStream:
     """The environment's tasks in a seeded order: a fresh shuffle each pass over a finite taskset, the taskset's own
-    order for an infinite one. `drawn` counts tasks handed out, so a resumed run continues where it stopped."""
+    order for an infinite one. `drawn` counts tasks handed out and `next` returns each with its draw index, so a
+    resumed run continues where it stopped: first the draws in `redo` (tasks whose groups were lost), then new ones."""
 
-    def __init__(self, taskset: Any, seed: int, drawn: int = 0):
+    def __init__(self, taskset: Any, seed: int, drawn: int = 0, redo: Sequence[int] = ()):
         self.drawn = drawn
         self._seed = seed
         self._tasks = list(taskset) if taskset.bounded else None
         if self._tasks is not None and not self._tasks:
             raise ValueError("the environment has no tasks")
         self._epoch, self._order = -1, []
+        self._redo: deque[tuple[int, Any]] = deque()
         self._infinite = iter(taskset) if self._tasks is None else None
+        wanted = set(redo)
         if self._infinite is not None:
-            for _ in range(drawn):
-                next(self._infinite)
+            for index in range(drawn):
+                task = next(self._infinite)
+                if index in wanted:
+                    self._redo.append((index, task))
+        else:
+            self._redo.extend((index, self._task_at(index)) for index in sorted(wanted))
 
     def __len__(self) -> int:
         return len(self._tasks) if self._tasks is not None else 0
 
-    def next(self) -> Any:
+    @property
+    def redo_left(self) -> list[int]:
+        """Draw indices still to be drawn again."""
+        return [index for index, _ in self._redo]
+
+    def next(self) -> tuple[int, Any]:
+        """(draw index, task)."""
+        if self._redo:
+            return self._redo.popleft()
         self.drawn += 1
         if self._infinite is not None:
-            return next(self._infinite)
-        epoch, index = divmod(self.drawn - 1, len(self._tasks))
+            return self.drawn - 1, next(self._infinite)
+        return self.drawn - 1, self._task_at(self.drawn - 1)
+
+    def _task_at(self, draw: int) -> Any:
+        epoch, index = divmod(draw, len(self._tasks))
         if epoch != self._epoch:
             self._epoch, self._order = epoch, list(range(len(self._tasks)))
             random.Random(f"{self._seed}:{epoch}").shuffle(self._order)
@@ -209,6 +233,7 @@ class Group:
     rewards: list[float]
     advantages: dict[str, float]
     seconds: float
+    draw: int = -1  # the task's draw index (TaskStream.next)
 
     @property
     def failed(self) -> bool:
@@ -279,6 +304,7 @@ class Orchestrator:
         self.stats = StepStats()
         self.extra_groups_used = 0
         self.failed_in_a_row = 0
+        self.in_flight: set[int] = set()  # draw indices of groups not yet consumed (running, or waiting in `ready`)
         # throughput of this process's life (a resumed run starts counting again)
         self.generation_started = time.monotonic()
         self.rollouts_this_run = 0
@@ -287,7 +313,8 @@ class Orchestrator:
     async def run(self) -> None:
         cfg = self.cfg
         if self.progress.next_step:
-            log.info("resuming at step %d (%d tasks drawn so far)", self.progress.next_step, self.progress.tasks_drawn)
+            log.info("resuming at step %d (%d tasks drawn so far, %d of them drawn again first: their groups were in "
+                     "flight)", self.progress.next_step, self.progress.tasks_drawn, len(self.progress.tasks_in_flight))
         renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
         install_model_client_transport(cfg.client.request_timeout_s)
         urls = cfg.client.urls
@@ -295,7 +322,7 @@ class Orchestrator:
         warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
         await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
         env = bridge.env_from_config(cfg.env)
-        self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn)
+        self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn, self.progress.tasks_in_flight)
         self.sampling = vf.SamplingConfig(
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
         )
@@ -361,14 +388,15 @@ class Orchestrator:
         if self.max_steps_left is not None:  # never start groups for steps the run will not have
             budget = min(budget, max(0, self.max_steps_left * cfg.tasks_per_step - len(self.pending) - len(self.ready)))
         for _ in range(budget):
-            task = self.tasks.next()
-            self.pending.add(asyncio.create_task(self._run_group(task)))
+            draw, task = self.tasks.next()
+            self.in_flight.add(draw)
+            self.pending.add(asyncio.create_task(self._run_group(draw, task)))
 
     @property
     def max_steps_left(self) -> int | None:
         return None if self.cfg.max_steps is None else self.cfg.max_steps - self.progress.next_step
 
-    async def _run_group(self, task: Any) -> Group:
+    async def _run_group(self, draw: int, task: Any) -> Group:
         started = time.monotonic()
         with self.pool.acquire() as server:
 
@@ -379,12 +407,15 @@ class Orchestrator:
                 self.env, task, self.cfg.batch.group_size, model=self.model_name, client=self.clients[server.url],
                 sampling=self.sampling, current_version=current_version,
             )
-        return score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
+        group = score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
+        group.draw = draw
+        return group
 
     def _collect(self, group: Group) -> None:
         self.progress.rollouts += len(group.rewards)
         self.rollouts_this_run += len(group.rewards)
         if group.failed:
+            self.in_flight.discard(group.draw)
             self.stats.unused_groups.append(group)
             self.failed_in_a_row += 1
             error = bridge.one_line(next((s.error for s in group.samples if s.error), "unknown error"))
@@ -396,6 +427,7 @@ class Orchestrator:
         zero = is_zero_advantage(list(group.advantages.values()))
         if zero and self.cfg.advantage.drop_zero_advantage and self.extra_groups_used < self.max_extra_groups:
             self.extra_groups_used += 1
+            self.in_flight.discard(group.draw)
             self.stats.unused_groups.append(group)
             self.stats.groups_dropped_zero_advantage += 1
             self.progress.groups_dropped_zero_advantage += 1
@@ -415,6 +447,7 @@ class Orchestrator:
                 group.samples = fresh
                 if not fresh:
                     self.ready.remove(group)
+                    self.in_flight.discard(group.draw)
         if len(self.ready) < self.cfg.batch.tasks_per_step:
             return None
         groups = [self.ready.popleft() for _ in range(self.cfg.batch.tasks_per_step)]
@@ -428,15 +461,18 @@ class Orchestrator:
         ]
         if not samples:
             raise RuntimeError(f"step {step}: no rollout produced a trainable sample (see the errors above)")
+        self.in_flight.difference_update(g.draw for g in groups)
+        after = Progress(**{**asdict(self.progress), "next_step": step + 1, "tasks_drawn": self.tasks.drawn,
+                            "tasks_in_flight": sorted(self.in_flight.union(self.tasks.redo_left))})
         write_started = time.monotonic()
         path = batches.write_batch(
             self.run_dir, step, samples, seq_len=cfg.batch.seq_len, num_ranks=cfg.batch.num_ranks,
-            temperature=cfg.sampling.temperature, extra={"tasks": [g.task_id for g in groups]},
+            temperature=cfg.sampling.temperature,
+            extra={"tasks": [g.task_id for g in groups], "progress": asdict(after)},  # what a resume continues from
         )
         meta = json.loads((path / batches.META_FILE).read_text())
         write_s = time.monotonic() - write_started
-        self.progress.next_step = step + 1
-        self.progress.tasks_drawn = self.tasks.drawn
+        self.progress = after
         if self.progress.next_step % cfg.ckpt.interval == 0 or self.progress.next_step == cfg.max_steps:
             save_progress(self.run_dir, self.progress, cfg.ckpt.keep_last)
         record = self._step_metrics(step, groups, samples, meta, write_s)
@@ -509,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     except RolloutsFailing as e:
         log.error("orchestrator failed: %s", e)
         return 1
-    except Exception:
+    except Exception as e:
+        if (line := storage_failure(e)) is not None:
+            print(f"primerl orchestrator: {line}", file=sys.stderr, flush=True)
+            return 1
         log.exception("orchestrator failed")
         return 1
     return 0

@@ -1,6 +1,7 @@
 """`primerl run recipe.toml` (and `rl recipe.toml`): pins, then the checklist, then the stages.
 
-1. Load the recipe; refuse one that needs a capability this build lacks (exit 2). Resolve every stage's config.
+1. Load the recipe; refuse one that needs a capability this build lacks, or more GPUs than this machine has, before
+   anything runs or is written (exit 2). Resolve every stage's config.
 2. Verify every pin against this machine. Drift stops the run before anything is written (exit 3), printing pinned
    vs found for each drifted pin — unless `--allow-drift`, which proceeds and records the drift in the manifest.
 3. Run the validation checklist (`primerl check`), unless `--no-check`; a failed step stops the run (exit 1).
@@ -161,15 +162,21 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
     args, rest = _parser(prog).parse_known_args(argv)
     from primerl.checklist import STEPS, run_checklist, write_report
+    from primerl.launch.local import LaunchError, require_writable
+    from primerl.launch.processes import exit_with_parent
 
+    exit_with_parent()
     try:
         recipe = load_recipe(args.recipe)
+        recipe.require_supported()  # a capability this build lacks is the first thing to say
+        require_gpus(recipe)
         overrides = stage_overrides(recipe, rest)
         run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
         if (run_dir / MANIFEST_FILE).exists() and not _resumes(overrides):
             raise RecipeError(f"{run_dir} already holds a run; pass --run-dir for a new one (or --rl.resume=true)")
         plan = plan_run(recipe, run_dir, overrides, smoke=args.smoke, allow_drift=args.allow_drift)
-    except (RecipeError, ConfigError) as e:
+        require_writable(plan.run_dir)
+    except (RecipeError, ConfigError, LaunchError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     print(f"primerl: pins of {recipe.name}:\n{format_checks(plan.pins.checks)}", file=sys.stderr)
@@ -190,6 +197,19 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
         statuses = report.statuses()
     manifest = start_run(plan, statuses)
     return run_stages(plan, manifest)
+
+
+def require_gpus(recipe: Recipe) -> None:
+    """RecipeError when the recipe needs more GPUs per node than this machine shows (no torch import, no subprocess
+    beyond `nvidia-smi -L`): refused before the checklist and before anything is written."""
+    from primerl.launch.local import visible_gpus
+
+    hardware = recipe.info.hardware
+    if hardware.needs_gpu and (found := len(visible_gpus())) < hardware.gpus_per_node:
+        raise RecipeError(
+            f"recipe '{recipe.name}' needs {hardware.gpus_per_node} GPU(s) per node and this machine has {found}; "
+            "nothing was run or written (run it on a GPU machine; tiny.toml and reverse-text.toml run on CPU)"
+        )
 
 
 def _resumes(overrides: Mapping[str, Any]) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import re
 import shutil
 import warnings
 from pathlib import Path
@@ -26,13 +25,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from primerl.config.trainer import CheckpointConfig
 from primerl.trainer import dist as tdist
 from primerl.trainer.dist import DistInfo
+from primerl.transport import checkpoints
 
 log = logging.getLogger(__name__)
 
-CHECKPOINTS_DIR = "checkpoints"
-ROLE = "trainer"
-PROGRESS = "progress.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+CHECKPOINTS_DIR = checkpoints.CHECKPOINTS_DIR
+ROLE, PROGRESS = checkpoints.TRAINER_MARKER
 
 
 class Checkpointer:
@@ -53,14 +51,7 @@ class Checkpointer:
         return self.cfg.interval is not None and step % self.cfg.interval == 0
 
     def complete_steps(self) -> list[int]:
-        if not self.root.is_dir():
-            return []
-        steps = []
-        for entry in self.root.iterdir():
-            match = _STEP_DIR.match(entry.name)
-            if match and (entry / ROLE / PROGRESS).is_file():
-                steps.append(int(match.group(1)))
-        return sorted(steps)
+        return checkpoints.complete_steps(self.root.parent, ROLE, PROGRESS)
 
     def resume_step(self) -> int | None:
         """The step to resume from per `ckpt.resume` (None: start fresh)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from primerl.config import config_from_argv
 from primerl.config.trainer import RolloutDataConfig, TrainerConfig
+from primerl.storage import storage_failure
 from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
 from primerl.trainer.loss import LossInputs, LossOutput, load_loss
 from primerl.trainer.model import PolicyOutput
@@ -102,7 +104,13 @@ def fill_on_policy_logprobs(trainer: Trainer, batch: list[MicroBatch]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_argv(TrainerConfig, argv, prog="primerl trainer")
     setup_logging(int(os.environ.get("RANK", "0")), "trainer")
-    train(cfg)
+    try:
+        train(cfg)
+    except BaseException as e:  # torch's CheckpointException is a BaseException
+        if (line := storage_failure(e)) is None:
+            raise
+        print(f"primerl trainer: {line}", file=sys.stderr, flush=True)
+        return 1
     return 0
 
 

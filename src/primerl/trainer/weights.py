@@ -203,16 +203,21 @@ class WeightPublisher:
                         "filesystem instead", reason)
 
     def resumed(self, step: int) -> None:
-        """After resuming at `step` (0: no checkpoint). A restarted server holds nothing that was broadcast, so when
-        the run uses (or used) the broadcast, snapshots newer than `step` go (their steps are trained again) and
-        version `step` is made loadable from disk; what comes next travels through the group."""
+        """After resuming at `step` (0: no checkpoint). Staging leftovers of a killed export go, and so do snapshots
+        newer than `step`: their steps are trained again, and a server must never load the old version k when the
+        new one is published (on a GPU they differ). A restarted server holds nothing that was broadcast or shared, so
+        when the run uses (or used) those, version `step` is made loadable from disk; what comes next travels through
+        the group."""
         uses_markers = self.cfg.transfer in ("broadcast", "shared") or any(
             transport.broadcast_marker(transport.weights_dir(self.run_dir, s)) is not None
             or shared_marker(transport.weights_dir(self.run_dir, s)) is not None
             for s in transport.stable_steps(self.run_dir))
-        if not self._agree(not uses_markers):
-            if self.dist.is_main and (removed := transport.remove_after(self.run_dir, step)):
+        if self.dist.is_main:
+            if leftovers := transport.remove_staging_leftovers(self.run_dir):
+                log.info("resume: removed staging leftovers of a killed export: %s", ", ".join(leftovers))
+            if removed := transport.remove_after(self.run_dir, step):
                 log.info("resume: removed weight snapshots %s (newer than checkpoint step %d)", removed, step)
+        if not self._agree(not uses_markers):
             path = transport.weights_dir(self.run_dir, step)
             on_disk = transport.is_stable(path) and transport.has_files(path)
             if step > 0 and not self._agree(on_disk):

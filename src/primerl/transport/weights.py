@@ -30,6 +30,7 @@ STABLE = "STABLE"
 BROADCAST = "BROADCAST"
 SHARED = "SHARED"  # a version in the trainer's shared buffer (primerl.transport.shared)
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STAGING_DIR = re.compile(r"^\.step_\d+\.tmp-\d+$")
 
 
 def weights_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -122,6 +123,16 @@ def prune(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
         (path / STABLE).unlink(missing_ok=True)  # readers stop trusting it before the files go
         shutil.rmtree(path, ignore_errors=True)
     return doomed
+
+
+def remove_staging_leftovers(run_dir: str | os.PathLike) -> list[str]:
+    """Delete the staging directories (`.step_<k>.tmp-<pid>/`) a killed writer left behind (each one a full model
+    copy); return their names. Only for a writer starting up: it must be the only one writing these snapshots."""
+    root = Path(run_dir) / WEIGHTS_DIR
+    leftovers = sorted(e.name for e in (root.iterdir() if root.is_dir() else []) if _STAGING_DIR.match(e.name))
+    for name in leftovers:
+        shutil.rmtree(root / name, ignore_errors=True)
+    return leftovers
 
 
 def remove_after(run_dir: str | os.PathLike, step: int) -> list[int]:

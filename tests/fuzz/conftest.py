@@ -1,0 +1,6 @@
+"""The fuzz tests reuse the inference tests' server launcher."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))

@@ -1,0 +1,105 @@
+"""Kill drills on the tiny CPU run (`drills` tests, `benchmarks/drills.py`): start `rl`, SIGKILL one process at a
+point of the run (writing a batch, writing weights, checkpointing, mid-run), then `rl --resume` to the end, and report
+what the fault cost."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import REPO, processes_of_run, rl_command, wait_for
+
+from primerl.monitor import read_metrics
+from primerl.transport import weights
+
+MAX_STEPS = 4
+
+
+@dataclass(frozen=True)
+class Drill:
+    process: str  # rl | inference | orchestrator | trainer
+    point: str  # what the run was doing
+
+    @property
+    def name(self) -> str:
+        return f"{self.process}@{self.point.replace(' ', '-')}"
+
+
+def _staging(run: Path, pattern: str) -> bool:
+    return any(run.glob(pattern))
+
+
+# When each point is reached, seen from the run directory (polled every few milliseconds).
+POINTS = {
+    "writing a batch": lambda run: _staging(run, "rollouts/.step_*") or (run / "rollouts" / "step_1").is_dir(),
+    "writing weights": lambda run: _staging(run, "weights/.step_*.tmp-*"),
+    "checkpointing": lambda run: _staging(run, "checkpoints/step_*/trainer.tmp"),
+    "mid-run": lambda run: len(read_metrics(run, "trainer")) >= 1,
+}
+DRILLS = [
+    Drill("orchestrator", "writing a batch"),
+    Drill("trainer", "writing weights"),
+    Drill("trainer", "checkpointing"),
+    Drill("inference", "mid-run"),
+    Drill("rl", "mid-run"),
+]
+
+
+def _steps_being_written(run: Path) -> list[int]:
+    """Steps whose weights or checkpoint were being written (staging directories present)."""
+    staged = [*run.glob("weights/.step_*.tmp-*"), *(p.parent for p in run.glob("checkpoints/step_*/trainer.tmp"))]
+    return [int(re.search(r"step_(\d+)", p.name).group(1)) for p in staged]
+
+
+def _pid_of(run: Path, process: str, launcher: subprocess.Popen) -> int | None:
+    if process == "rl":
+        return launcher.pid
+    found = [pid for pid, cmd in processes_of_run(run).items() if f"{process}.toml" in cmd]
+    return min(found) if found else None
+
+
+def run_drill(drill: Drill, run: Path) -> dict:
+    """One drill; the row of the results table."""
+    launcher = subprocess.Popen(rl_command(run, f"--max_steps={MAX_STEPS}"), cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    reached = POINTS[drill.point]
+    deadline = time.monotonic() + 600
+    while not reached(run):
+        assert launcher.poll() is None, f"{drill.name}: the run ended before the point was reached"
+        assert time.monotonic() < deadline, f"{drill.name}: the point was never reached"
+        time.sleep(0.005)
+    pid = _pid_of(run, drill.process, launcher)
+    os.kill(pid, signal.SIGKILL)
+    trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
+    started_before = max([trained_before, *_steps_being_written(run)])
+    launcher.communicate(timeout=300)
+    wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the killed run to stop")
+    first_exit = launcher.returncode
+
+    resumed = subprocess.run(rl_command(run, f"--max_steps={MAX_STEPS}", "--resume"), cwd=REPO, capture_output=True,
+                             text=True, timeout=900, check=False)
+    match = re.search(r"\(step (\d+)\)", resumed.stdout)
+    resumed_from = int(match.group(1)) if match else 0
+    trainer_steps = [r["step"] for r in read_metrics(run, "trainer")]
+    batch_steps = [r["step"] for r in read_metrics(run, "orchestrator")]
+    finished = resumed.returncode == 0 and weights.is_stable(weights.weights_dir(run, MAX_STEPS))
+    return {
+        "fault": f"SIGKILL {drill.process}",
+        "point": drill.point,
+        "first_run_exit": first_exit,
+        "trained_before_kill": trained_before,
+        "step_in_progress_at_kill": started_before if started_before > trained_before else None,
+        "resumed_from_checkpoint": resumed_from,
+        "steps_redone": max(0, started_before - resumed_from),
+        "steps_lost": len(set(range(1, MAX_STEPS + 1)) - set(trainer_steps)),
+        "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
+        "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),
+        "resume_exit": resumed.returncode,
+        "outcome": "finished" if finished else "failed",
+        "resume_tail": "" if finished else (resumed.stdout + resumed.stderr)[-1500:],
+    }

@@ -1,0 +1,93 @@
+"""`rl` when what surrounds it fails: the process that started it is killed, the run directory cannot be written, a
+resumed run finds snapshots and staging leftovers of the steps it trains again."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, processes_of_run, rl_command, wait_for
+
+from primerl.launch.local import _forget_what_is_redone
+from primerl.monitor import read_metrics
+from primerl.transport import weights
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@pytest.mark.integration
+def test_killing_what_started_rl_stops_the_whole_run(tmp_path):
+    """`uv run rl ...` killed with SIGKILL (a CI cancel, `timeout -s KILL`): rl and its three children stop too."""
+    run = tmp_path / "run"
+    shell = subprocess.Popen(  # a parent that does not exec into rl, like `uv run`
+        ["bash", "-c", " ".join(rl_command(run, "--max_steps=50")) + "; exit $?"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for(lambda: any("trainer.toml" in cmd for cmd in processes_of_run(run).values()), timeout=300,
+             what="the trainer to start", proc=shell)
+    shell.send_signal(signal.SIGKILL)
+    shell.wait()
+    try:
+        wait_for(lambda: not processes_of_run(run), timeout=120,
+                 what="rl and its children to stop after their starter was killed")
+    finally:
+        for pid in processes_of_run(run):  # what the failed test left behind
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only"])
+def test_an_unwritable_run_dir_is_one_line_and_exit_2(tmp_path, where):
+    if where == "under a file":
+        (tmp_path / "a-file").write_text("")
+        run = tmp_path / "a-file" / "run"
+    else:
+        run = tmp_path / "ro"
+        run.mkdir()
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(run)],
+                                 capture_output=True, text=True, check=False)
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        result = subprocess.run(rl_command(run), cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        if where == "read-only":
+            subprocess.run(["umount", str(run)], check=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert result.stderr.startswith(f"rl: cannot write to the run directory {run}"), result.stderr
+
+
+def _snapshot(run: Path, step: int) -> None:
+    staged = weights.staging_dir(run, step)
+    (staged / "model.safetensors").write_bytes(b"weights")
+    weights.publish(staged, run, step)
+
+
+def test_a_resume_forgets_what_is_trained_again(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in range(1, 6):
+        _snapshot(run, step)
+    progress = run / "checkpoints" / "step_3" / "trainer" / "progress.json"
+    progress.parent.mkdir(parents=True)
+    progress.write_text(json.dumps({"step": 3}))
+    (run / "checkpoints" / "step_5" / "trainer.tmp").mkdir(parents=True)  # a checkpoint killed while written
+    leftover = run / "weights" / ".step_6.tmp-999999"
+    leftover.mkdir()
+    (leftover / "model.safetensors").write_bytes(b"half a model")
+    records = [{"source": "trainer", "step": s} for s in range(1, 6)] + [{"source": "orchestrator", "step": 4}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"torn')
+
+    _forget_what_is_redone(run, sys.stdout)
+
+    assert weights.stable_steps(run) == [1, 2, 3]
+    assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3"]
+    out = capsys.readouterr().out
+    assert f"resuming the trainer from {run / 'checkpoints' / 'step_3'} (step 3)" in out
+    assert "removed weight snapshots [4, 5], 1 staging leftover(s), 3 trainer record(s)" in out
+    assert [(r["source"], r["step"]) for r in read_metrics(run)] == [
+        ("trainer", 1), ("trainer", 2), ("trainer", 3), ("orchestrator", 4)]
