@@ -113,7 +113,7 @@ def resolve_model(name: str, revision: str | None = None, progress: bool = True,
     """A local directory with config.json, safetensors weights and tokenizer files for `name`. A registry model is
     looked up in the prepared directories, then in the cache, and built into the cache (or into `into`) if absent."""
     if name == EMBEDDED:
-        return _cached(f"{EMBEDDED}", lambda out: convert_gguf(SMOLLM2, out, progress=progress), into)
+        return _cached(_embedded_key(), lambda out: convert_gguf(SMOLLM2, out, progress=progress), into)
     if name == TINY:
         return _cached(f"tiny-{TINY_VERSION}", build_tiny_model, into)
     if into is not None:
@@ -127,6 +127,16 @@ def resolve_model(name: str, revision: str | None = None, progress: bool = True,
         known = ", ".join(registry())
         raise ModelError(f"unknown model {name!r}: not a registry name ({known}), a local directory or a hub id")
     return _hub_snapshot(name, revision)
+
+
+def _embedded_key() -> str:
+    """The cache entry of the embedded model. The GGUF's tokenizer is converted by transformers itself, and
+    transformers 4 and 5 convert it differently (4.57 writes a decoder that 5.x decodes wrongly), so the two stacks
+    (the main lock, and primerl:cuda12's) keep separate entries in a cache they may share."""
+    import transformers
+
+    major = int(transformers.__version__.split(".")[0])
+    return EMBEDDED if major >= 5 else f"{EMBEDDED}-transformers{major}"
 
 
 def _cached(key: str, build: Callable[[Path], None], into: Path | None = None) -> Path:
