@@ -252,13 +252,24 @@ class LlamaDecoder(Decoder):
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
-        longest = max(positions) + 1
-        self._reserve(longest)
-        span = min(_bucket(longest, [_MIN_SPAN * 2**i for i in range(32)]), self.capacity)
+        span = self._span(max(positions) + 1)
         if not self.cuda_graphs:
             token_tensor = torch.tensor(tokens, device=self.device)
             position_tensor = torch.tensor(positions, device=self.device)
             return self._decode_forward(token_tensor, position_tensor, span)
+        rows = self._load_static_inputs(tokens, positions)
+        graph = self.graphs.get((rows, span)) or self._capture(rows, span)
+        graph.replay()
+        return self.static_logits[: len(tokens)]
+
+    def _span(self, longest: int) -> int:
+        """Reserve the cache for `longest` positions; the attention span (a power of two) that covers them."""
+        self._reserve(longest)
+        return min(_bucket(longest, [_MIN_SPAN * 2**i for i in range(32)]), self.capacity)
+
+    def _load_static_inputs(self, tokens: list[int], positions: list[int]) -> int:
+        """Copy rows' tokens and positions into the graphs' static inputs (one host-to-device copy); returns the
+        row bucket the graph runs (rows past len(tokens) decode token 0 at position 0, and nobody reads them)."""
         n = len(tokens)
         rows = _bucket(n, self.row_buckets)
         host = torch.zeros(2, rows, dtype=torch.long)
@@ -266,18 +277,14 @@ class LlamaDecoder(Decoder):
         host[1, :n] = torch.tensor(positions)
         self.static_tokens[:rows].copy_(host[0], non_blocking=True)
         self.static_positions[:rows].copy_(host[1], non_blocking=True)
-        graph = self.graphs.get((rows, span)) or self._capture(rows, span)
-        graph.replay()
-        return self.static_logits[:n]
+        return rows
 
     @torch.inference_mode()
     def decode_many(
         self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         steps, n = uniforms.shape
-        longest = max(positions) + steps
-        self._reserve(longest)
-        span = min(_bucket(longest, [_MIN_SPAN * 2**i for i in range(32)]), self.capacity)
+        span = self._span(max(positions) + steps)
         out_tokens = torch.empty(steps, n, dtype=torch.long, device=self.device)
         out_logprobs = torch.empty(steps, n, device=self.device)
         uniforms = uniforms.to(self.device, non_blocking=True)
@@ -291,12 +298,7 @@ class LlamaDecoder(Decoder):
                 out_tokens[step], out_logprobs[step] = token_tensor, logprobs
                 position_tensor = position_tensor + 1
             return out_tokens, out_logprobs
-        rows = _bucket(n, self.row_buckets)
-        host = torch.zeros(2, rows, dtype=torch.long)
-        host[0, :n] = torch.tensor(tokens)
-        host[1, :n] = torch.tensor(positions)
-        self.static_tokens[:rows].copy_(host[0], non_blocking=True)
-        self.static_positions[:rows].copy_(host[1], non_blocking=True)
+        rows = self._load_static_inputs(tokens, positions)
         self.static_temperature[:n].copy_(temperature, non_blocking=True)
         self.static_temperature[n:rows].fill_(1.0)
         graph = self.sampling_graphs.get((rows, span)) or self._capture(rows, span, sampling=True)
