@@ -8,6 +8,7 @@
 # registry and tokenizers, the trainer (loss, model, FSDP, RL and SFT steps, weight export and broadcast), the
 # inference engine and server, and the W&B logging; not the SmolLM2 tests (marker slow) nor the kill-and-resume test
 # of the RL trainer (process handling, the same on both stacks, and the slowest of the set).
+# Nor the connection tests (HTTP transport and proxies, the same on both stacks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export UV_PROJECT_ENVIRONMENT="$PWD/.venv-cuda12"
