@@ -184,8 +184,7 @@ class InferencePool:
                     "/admin/update_weights",
                     json={"path": str(path), "step": step},
                     headers={"Authorization": f"Bearer {self.admin_token}"},
-                    timeout=None,
-                ),
+                ),  # bounded by request_timeout_s like every call: a server that stopped answering ends the run
                 f"POST {server.url}/admin/update_weights (step {step})",
                 self.retry_s,
             )
