@@ -5,6 +5,7 @@
 # .whl/site.tar.gz (benchmarks/carry_site.py) and the TRL peer's wheels from .carry/trl.
 #
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
+#   bash benchmarks/gpu_rl_x1.sh handoff OUT   # the shared weight handoff alone (Qwen3-0.6B, 3 versions)
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
@@ -75,6 +76,11 @@ check)
     run weight_transfer 130 python3 benchmarks/weight_transfer.py --modes filesystem,shared --repeats 3 \
         --no-nccl-probe --budget-s 120 --out "$out/weight_transfer_h200.json"
     p1_round p1_round0
+    ;;
+handoff)
+    run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes shared --repeats 3 \
+        --no-nccl-probe --budget-s 140 --logs-dir /tmp/handoff-logs --out "$out/weight_transfer_h200.json"
+    tar czf "$out/handoff_logs.tar.gz" -C /tmp handoff-logs
     ;;
 part-0)
     cp .carry/smollm2/part-00 "$carry/" && ls -la "$carry"
