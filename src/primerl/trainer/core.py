@@ -80,7 +80,7 @@ class TrainerParts:
     scheduler: SchedulerConfig
     ckpt: CheckpointConfig
     weights: WeightsConfig
-    wandb: WandbConfig
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)  # W&B off unless a project is set
 
     @classmethod
     def of(cls, cfg) -> TrainerParts:
