@@ -61,17 +61,11 @@ def select_tasks(taskset: Any, count: int, seed: int) -> list[Any]:
 
 
 async def wait_until_serving(base_url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
+    """Wait for `GET /v1/models` to answer 200 (any OpenAI-compatible server, not only primerl's)."""
+    from primerl.orchestrator.client import poll_until_ok
+
     async with httpx.AsyncClient(base_url=base_url, timeout=10.0) as http:
-        while True:
-            try:
-                if (await http.get("/v1/models")).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no server answered at {base_url} within {timeout_s:.0f}s")
-            await asyncio.sleep(0.5)
+        await poll_until_ok(http, "/v1/models", timeout_s, f"no server answered at {base_url}")
 
 
 async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:

@@ -22,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
@@ -73,6 +73,22 @@ async def with_retries(call, what: str, retry_s: float) -> httpx.Response:
             delay = min(delay * 2, 1.0)
 
 
+async def poll_until_ok(http: httpx.AsyncClient, path: str, timeout_s: float, what: str) -> httpx.Response:
+    """GET `path` every half second until it answers 200 (a server still starting refuses or answers otherwise);
+    TimeoutError `what after N s` once `timeout_s` have passed."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = await http.get(path, timeout=10.0)
+            if response.status_code == 200:
+                return response
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} after {timeout_s:.0f}s")
+        await asyncio.sleep(0.5)
+
+
 @dataclass(eq=False)
 class Server:
     """One inference server as the orchestrator sees it."""
@@ -81,15 +97,8 @@ class Server:
     http: httpx.AsyncClient
     version: int = 0
     """The newest policy version this server is known to serve."""
-    loading: int | None = None
-    """The step being loaded into it right now (its tokens may already come from it)."""
     in_flight: int = 0
     """Groups running against it."""
-    loaded_path: str | None = field(default=None, repr=False)
-
-    @property
-    def newest_possible_version(self) -> int:
-        return max(self.version, self.loading or 0)
 
 
 class InferencePool:
@@ -128,18 +137,10 @@ class InferencePool:
         """Wait until every server answers /health with 200 (each may still be loading its model)."""
 
         async def one(server: Server) -> None:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                try:
-                    response = await server.http.get("/health", timeout=10.0)
-                    if response.status_code == 200:
-                        server.version = int(response.json()["policy_version"])
-                        return
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"inference server at {server.url} not healthy after {timeout_s:.0f}s")
-                await asyncio.sleep(0.5)
+            response = await poll_until_ok(
+                server.http, "/health", timeout_s, f"inference server at {server.url} not healthy"
+            )
+            server.version = int(response.json()["policy_version"])
 
         await asyncio.gather(*(one(server) for server in self.servers))
 
@@ -177,25 +178,20 @@ class InferencePool:
         return True
 
     async def _update_one(self, server: Server, step: int, path: Path) -> bool:
-        server.loading = step
-        try:
-            response = await with_retries(
-                lambda: server.http.post(
-                    "/admin/update_weights",
-                    json={"path": str(path), "step": step},
-                    headers={"Authorization": f"Bearer {self.admin_token}"},
-                ),  # bounded by request_timeout_s like every call: a server that stopped answering ends the run
-                f"POST {server.url}/admin/update_weights (step {step})",
-                self.retry_s,
-            )
-        finally:
-            server.loading = None
+        response = await with_retries(
+            lambda: server.http.post(
+                "/admin/update_weights",
+                json={"path": str(path), "step": step},
+                headers={"Authorization": f"Bearer {self.admin_token}"},
+            ),  # bounded by request_timeout_s like every call: a server that stopped answering ends the run
+            f"POST {server.url}/admin/update_weights (step {step})",
+            self.retry_s,
+        )
         if response.status_code == 400:  # pruned or replaced between listing and loading: look again next poll
             log.warning("weights step %d not loadable yet on %s: %s", step, server.url, response.text)
             return False
         response.raise_for_status()
         server.version = int(response.json()["policy_version"])
-        server.loaded_path = str(path)
         return True
 
 

@@ -21,6 +21,7 @@ copies from it into its own parameters (device to device).
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import time
@@ -52,10 +53,7 @@ class Slot:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def segment_dir(run_dir: str | os.PathLike) -> Path:
@@ -208,7 +206,7 @@ class SharedReader:
         else:
             buffer = torch.from_file(description["path"], shared=True, size=description["numel"], dtype=dtype)
         self.views = {
-            name: buffer[offset : offset + Slot(name, tuple(shape), offset).numel].view(shape)
+            name: buffer[offset : offset + math.prod(shape)].view(shape)
             for name, shape, offset in description["tensors"]
         }
         self.segment_id = wanted
