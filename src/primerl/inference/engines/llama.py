@@ -213,23 +213,29 @@ class LlamaDecoder(Decoder):
 
     @torch.inference_mode()
     def prefill(self, first_row: int, prompts: list[list[int]]) -> torch.Tensor:
-        width = max(len(p) for p in prompts)
+        """Each distinct prompt runs through the model once; rows that share a prompt (the completions of one
+        group) get copies of its keys and values and of its last logits."""
+        distinct: dict[tuple[int, ...], int] = {}
+        copy_of = [distinct.setdefault(tuple(prompt), len(distinct)) for prompt in prompts]
+        unique = [list(prompt) for prompt in distinct]
+        width = max(len(p) for p in unique)
         self._reserve(width)
-        rows = slice(first_row, first_row + len(prompts))
-        input_ids = torch.zeros(len(prompts), width, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
+        input_ids = torch.zeros(len(unique), width, dtype=torch.long)
+        for i, prompt in enumerate(unique):
             input_ids[i, : len(prompt)] = torch.tensor(prompt)
         input_ids = input_ids.to(self.device)
-        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
+        positions = torch.arange(width, device=self.device).expand(len(unique), width)
+        rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
+        source = torch.tensor(copy_of, device=self.device)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_cache[layer][rows, :, :width] = k
-            self.v_cache[layer][rows, :, :width] = v
+            self.k_cache[layer][rows, :, :width] = k[source]
+            self.v_cache[layer][rows, :, :width] = v[source]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         hidden = self._forward(input_ids, positions, attend)
-        last = torch.tensor([len(p) - 1 for p in prompts], device=self.device)
-        return self._logits(hidden[torch.arange(len(prompts), device=self.device), last])
+        last = torch.tensor([len(p) - 1 for p in unique], device=self.device)
+        return self._logits(hidden[torch.arange(len(unique), device=self.device), last])[source]
 
     # ------------------------------------------------------------------------------------------------- decode
 
@@ -349,16 +355,18 @@ class LlamaDecoder(Decoder):
 
 def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -> None:
     """The fast decoder's greedy tokens must equal the uncached reference's, for rows of different lengths decoded
-    together (with rows retiring mid-way, which moves rows) and, on CUDA, through captured graphs."""
+    together (with rows retiring mid-way, which moves rows; two rows share a prompt, which prefill runs once) and, on
+    CUDA, through captured graphs."""
     from transformers import AutoModelForCausalLM
 
     from primerl.inference.engines.decoders import ReferenceDecoder
     from primerl.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32).to(device).eval()
-    prompts = [[1, 17, 45, 300, 12], [1, 99], [1, *range(5, 40)], [1, 512, 3]]
+    prompts = [[1, 17, 45, 300, 12], [1, 99], [1, *range(5, 40)], [1, 512, 3], [1, 99]]
+    rows_max = len(prompts)
     outputs = []
-    for decoder in (ReferenceDecoder(model, 4), LlamaDecoder(model, 4, 256, cuda_graphs=device.startswith("cuda"))):
+    for decoder in (ReferenceDecoder(model, rows_max), LlamaDecoder(model, rows_max, 256, cuda_graphs=device.startswith("cuda"))):
         sequences = [list(p) for p in prompts]
         rows = list(range(len(prompts)))  # rows[i] = prompt index decoded in row i
         tokens = decoder.prefill(0, prompts).argmax(-1).tolist()
@@ -374,7 +382,7 @@ def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -
         outputs.append(sequences)
     assert outputs[0] == outputs[1], f"fast decoder differs from the reference:\n{outputs[0]}\n{outputs[1]}"
     # several steps per call, sampling on the device (greedy rows), through the sampling graphs on CUDA
-    fast = LlamaDecoder(model, 4, 256, cuda_graphs=device.startswith("cuda"))
+    fast = LlamaDecoder(model, rows_max, 256, cuda_graphs=device.startswith("cuda"))
     chained = [list(p) for p in prompts]
     tokens = fast.prefill(0, prompts).argmax(-1).tolist()
     for _ in range(3):
@@ -387,7 +395,7 @@ def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -
         for sequence, column in zip(chained, columns, strict=True):
             sequence.extend(column[:-1])
         tokens = [column[-1] for column in columns]
-    reference = ReferenceDecoder(model, 4)
+    reference = ReferenceDecoder(model, rows_max)
     expected = [list(p) for p in prompts]
     tokens = reference.prefill(0, prompts).argmax(-1).tolist()
     for _ in range(len(chained[0]) - len(prompts[0])):
