@@ -85,3 +85,69 @@ def test_fused_logprobs_value_and_gradient(chunk):
     torch.testing.assert_close(grads[0], h.grad)
     torch.testing.assert_close(grads[1], w.grad)
     assert not ent.requires_grad
+
+
+def group_samples(prompt_len=7, own=(5, 3, 9, 1), seed=2):
+    """Rollouts of one group: the same prompt (loss 0), then completions of their own (loss 1)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, 1000, (prompt_len,), generator=g).tolist()
+    samples = []
+    for k, n in enumerate(own):
+        ids = prompt + torch.randint(3, 1000, (n,), generator=g).tolist()
+        samples.append(Sample(ids, [0] * prompt_len + [1] * n, [0.0] * len(ids), float(k) - 1.5))
+    return samples
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_shared_prompt_logprobs_and_gradients_equal_plain_packing(attention):
+    """A group laid out as its prompt once plus each completion gives the same log-probs at every loss token, and the
+    same gradient of a loss over them, as the group packed sample by sample."""
+    samples = group_samples() + random_samples([6])
+    results = []
+    for share in (False, True):
+        policy = tiny_policy(attention)
+        a = {k: torch.from_numpy(v).long() for k, v in pack_samples(samples, 64, share_prefixes=share).arrays.items()}
+        out = policy(a["input_ids"], a["position_ids"], a["sample_index"], temperature=0.9,
+                     parent_index=a["parent_index"], wanted=a["loss_mask"].bool())
+        per_sample = [out.logprobs[(a["sample_index"] == i) & (a["loss_mask"] > 0)] for i in range(len(samples))]
+        loss = sum((lp * (i + 1)).sum() for i, lp in enumerate(per_sample))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results.append((per_sample, int((a["sample_index"] >= 0).sum()), grads))
+    (plain, plain_tokens, plain_grads), (shared, shared_tokens, shared_grads) = results
+    for a_lp, b_lp in zip(plain, shared, strict=True):
+        torch.testing.assert_close(b_lp, a_lp, atol=2e-5, rtol=1e-5)
+    assert shared_tokens == plain_tokens - 3 * 7  # the prompt is laid out once instead of four times
+    assert plain_grads.keys() == shared_grads.keys()
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(shared_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prompt_mask_and_predecessors():
+    from primerl.trainer.model import predecessor_positions
+
+    index = torch.tensor([[2, 2, 0, 0, 1, -1]])  # prompt segment 2, then samples 0 and 1 continuing it
+    parent = torch.tensor([[-1, -1, 2, 2, 2, -1]])
+    mask = packed_attention_mask("sdpa", index, torch.float32, parent)[0, 0].int().tolist()
+    assert mask == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],  # sample 1 sees the prompt and itself, not sample 0
+        [0, 0, 0, 0, 0, 1],
+    ]
+    assert predecessor_positions(index, parent).tolist() == [[-1, 0, 1, 2, 1, -1]]
+    with pytest.raises(ValueError, match="shared prompts"):
+        packed_attention_mask("flash_attention_2", index, torch.float32, parent)
+
+
+def test_only_wanted_tokens_pay_for_the_head():
+    policy = tiny_policy()
+    ids = torch.tensor([random_samples([12])[0].input_ids])
+    wanted = torch.zeros_like(ids, dtype=torch.bool)
+    wanted[0, 5:9] = True
+    full = policy(ids, torch.arange(12)[None], torch.zeros_like(ids))
+    part = policy(ids, torch.arange(12)[None], torch.zeros_like(ids), wanted=wanted)
+    torch.testing.assert_close(part.logprobs[wanted], full.logprobs[wanted])
+    assert not part.logprobs[~wanted].any()

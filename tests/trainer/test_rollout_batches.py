@@ -102,3 +102,25 @@ def test_transport_is_torch_free():
 
     code = "import sys, primerl.transport.rollouts, primerl.transport.weights; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_shared_prompts_are_laid_out_once_per_row():
+    prompt = [11, 12, 13, 14]
+    samples = [Sample(prompt + own, [0] * 4 + [1] * len(own), [0.0] * 4 + [-0.5] * len(own), adv)
+               for own, adv in (([21, 22], 1.0), ([31], -1.0), ([41, 42, 43], 0.5))]
+    samples.append(Sample([5, 6, 7], [0, 1, 1], [0.0, -1.0, -1.0], 2.0))  # a sample of another prompt
+    packed = pack_samples(samples, 16, share_prefixes=True)
+    a = {k: v[0].tolist() for k, v in packed.arrays.items()}
+    assert a["input_ids"][:10] == [11, 12, 13, 14, 21, 22, 31, 41, 42, 43]
+    assert a["sample_index"][:10] == [4, 4, 4, 4, 0, 0, 1, 2, 2, 2]  # the prompt segment names no sample
+    assert a["parent_index"][:10] == [-1] * 4 + [4] * 6
+    assert a["position_ids"][:10] == [0, 1, 2, 3, 4, 5, 4, 4, 5, 6]
+    assert a["loss_mask"][:10] == [0] * 4 + [1] * 6
+    assert a["advantages"][4:10] == [1.0, 1.0, -1.0, 0.5, 0.5, 0.5]
+    assert a["input_ids"][10:13] == [5, 6, 7] and a["parent_index"][10:13] == [-1] * 3
+    assert [s["num_tokens"] for s in packed.samples] == [6, 5, 7, 3]  # per sample, as if laid out alone
+    # a group too long for one row is split; a part left with one member is laid out whole
+    split = pack_samples(samples[:3], 9, share_prefixes=True).arrays
+    assert split["sample_index"].tolist() == [[3, 3, 3, 3, 0, 0, 1, -1, -1], [2, 2, 2, 2, 2, 2, 2, -1, -1]]
+    assert split["parent_index"].tolist() == [[-1] * 4 + [3] * 3 + [-1] * 2, [-1] * 9]
+    assert not pack_samples(samples, 16).arrays["parent_index"].max() >= 0  # off by default

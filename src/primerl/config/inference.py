@@ -57,6 +57,9 @@ class InferenceConfig(ProcessConfig):
         "expiry (httpx: 5 s), so no client sends a request into a connection the server is closing",
     )
     max_batch_size: int = Field(32, ge=1, description="sequences decoded together at most")
+    threads: int | None = Field(
+        None, ge=1, description="hf engine: CPU threads of torch's intra-op pool (None: torch's default, one per core)"
+    )
     decode_steps: int = Field(
         8,
         ge=1,

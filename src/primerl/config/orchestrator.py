@@ -92,6 +92,12 @@ class BatchSection(Section):
     group_size: int = Field(8, ge=1, description="rollouts per task; advantages compare rollouts of one group")
     seq_len: int = Field(2048, ge=8, description="tokens per packed row (longer samples are truncated, counted)")
     num_ranks: int = Field(1, ge=1, description="trainer data-parallel ranks the rows are split over")
+    share_prompts: bool | None = Field(
+        None,
+        description="lay a group's common prompt out once per row, followed by each rollout's own tokens, so the "
+        "trainer computes it once (needs trainer attention sdpa, flex_attention or eager); None: `rl` turns it on "
+        "when the trainer runs on the CPU, off otherwise",
+    )
     max_concurrent_groups: int | None = Field(
         None, ge=1, description="groups in flight at most (None: as many as the async bound allows)"
     )

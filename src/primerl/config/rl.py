@@ -19,6 +19,7 @@ data-parallel size (from `devices`), `--resume`, and with `weight_transfer = "br
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -75,6 +76,18 @@ InferenceSection = section_of(
 )
 OrchestratorSection = section_of(OrchestratorConfig, ORCHESTRATOR_SHARED, "OrchestratorSection")
 TrainerSection = section_of(TrainerConfig, TRAINER_SHARED, "TrainerSection")
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def cpu_thread_split(cores: int) -> tuple[int, int]:
+    """Threads for the engine and the trainer when both run on the CPU at once (the async loop overlaps generating
+    step n + 1 with training step n): half the cores each, the trainer the odd one; one each on one or two cores."""
+    engine = max(1, cores // 2)
+    return engine, max(1, cores - engine)
 
 
 class DevicesSection(Section):
@@ -271,10 +284,20 @@ class RLConfig(ProcessConfig):
         )
         orchestrator["client"]["base_url"] = base_url
         orchestrator["batch"].update(seq_len=self.seq_len, num_ranks=devices.trainer_ranks)
+        if orchestrator["batch"]["share_prompts"] is None:
+            attention = self.trainer.train.attention
+            orchestrator["batch"]["share_prompts"] = attention in ("sdpa", "flex_attention", "eager") or (
+                attention == "auto" and not devices.trainer)
         trainer = self.trainer.model_dump()
         trainer.update(run_dir=self.output_dir, model=model, wandb=wandb)
         trainer["train"].update(max_steps=self.max_steps, seed=self.seed)
         trainer["ckpt"]["resume"] = "latest" if self.resume else None
+        if not devices.inference and not devices.trainer:  # both on the CPU: split its cores, no oversubscription
+            engine_threads, trainer_threads = cpu_thread_split(usable_cpus())
+            if inference["threads"] is None and inference["engine"] == "hf":
+                inference["threads"] = engine_threads
+            if trainer["train"]["threads"] is None:
+                trainer["train"]["threads"] = trainer_threads
         self._share_weight_transfer(inference, trainer, broadcast_port)
         token = FILE_LAYER.set({})  # the rl config's own files are being read now; they are not these processes'
         try:

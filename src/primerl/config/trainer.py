@@ -26,6 +26,9 @@ class TrainingConfig(Section):
     )
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer in backward")
     compile: bool = Field(False, description="torch.compile each decoder layer")
+    threads: int | None = Field(
+        None, ge=1, description="CPU threads of torch's intra-op pool (None: torch's default, one per core)"
+    )
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )

@@ -467,7 +467,7 @@ class Orchestrator:
         write_started = time.monotonic()
         path = batches.write_batch(
             self.run_dir, step, samples, seq_len=cfg.batch.seq_len, num_ranks=cfg.batch.num_ranks,
-            temperature=cfg.sampling.temperature,
+            temperature=cfg.sampling.temperature, share_prefixes=bool(cfg.batch.share_prompts),
             extra={"tasks": [g.task_id for g in groups], "progress": asdict(after)},  # what a resume continues from
         )
         meta = json.loads((path / batches.META_FILE).read_text())

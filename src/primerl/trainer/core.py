@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from primerl.config.common import ModelConfig, WandbConfig
@@ -46,6 +47,7 @@ TENSOR_DTYPES = {
     "input_ids": torch.long,
     "position_ids": torch.long,
     "sample_index": torch.long,
+    "parent_index": torch.long,
     "loss_mask": torch.bool,
     "inference_logprobs": torch.float32,
     "advantages": torch.float32,
@@ -111,6 +113,12 @@ def micro_batches(arrays: dict[str, np.ndarray], rows_per_micro_batch: int, devi
     return out
 
 
+def trimmed_width(sample_index: Tensor) -> int:
+    """Columns up to the last one that holds a token in some row (rows are padded at their tail only)."""
+    used = (sample_index >= 0).any(dim=0).nonzero()
+    return int(used[-1]) + 1 if len(used) else 1
+
+
 def sample_lengths(batch: list[MicroBatch]) -> list[int]:
     """Lengths of the samples in this rank's rows (padding excluded), for the attention FLOP count."""
     lengths = []
@@ -135,6 +143,8 @@ class Trainer:
         self.parts = parts
         self.dist, self.device = tdist.setup(parts.train.device)
         torch.manual_seed(parts.train.seed)
+        if parts.train.threads is not None:
+            torch.set_num_threads(parts.train.threads)
         self.policy, self.tokenizer = build_policy(parts.model, parts.train, parts.lora, self.device, self.dist)
         self.optimizer = build_optimizer(self.policy, parts.optim)
         self.scheduler = build_scheduler(self.optimizer, parts.scheduler, parts.train.max_steps)
@@ -193,8 +203,22 @@ class Trainer:
         return step or 0, data
 
     def forward(self, mb: MicroBatch, temperature: float) -> PolicyOutput:
+        """Log-probs and entropies at the micro-batch's loss tokens (0 elsewhere); columns that are padding in every
+        row are left out of the forward."""
+        used = trimmed_width(mb["sample_index"])
         with self.policy.autocast(self.device):
-            return self.policy(mb["input_ids"], mb["position_ids"], mb["sample_index"], temperature)
+            out = self.policy(
+                mb["input_ids"][:, :used],
+                mb["position_ids"][:, :used],
+                mb["sample_index"][:, :used],
+                temperature,
+                parent_index=mb["parent_index"][:, :used] if "parent_index" in mb else None,
+                wanted=mb["loss_mask"][:, :used],
+            )
+        width = mb["input_ids"].shape[1]
+        if used == width:
+            return out
+        return PolicyOutput(logprobs=F.pad(out.logprobs, (0, width - used)), entropy=F.pad(out.entropy, (0, width - used)))
 
     def step(self, batch: list[MicroBatch], loss: StepLoss, temperature: float = 1.0) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics (same on every rank)."""

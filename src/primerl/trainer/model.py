@@ -1,10 +1,13 @@
 """The policy being trained: a Hugging Face causal LM on packed rows, with a fused, chunked log-prob head.
 
-Contract: `Policy.forward(input_ids, position_ids, sample_index, temperature)` takes packed rows [rows, seq_len]
-(DESIGN §3.3; `sample_index` -1 on padding) and returns, per token t, the log-prob of `input_ids[t]` given the tokens
-of its own sample before it, and the entropy of that next-token distribution (both 0 at the first token of a sample).
+Contract: `Policy.forward(input_ids, position_ids, sample_index, temperature, parent_index, wanted)` takes packed
+rows [rows, seq_len] (DESIGN §3.3; `sample_index` -1 on padding) and returns, per token t, the log-prob of
+`input_ids[t]` given the tokens of its own sample before it, and the entropy of that next-token distribution (both 0
+at the first token of a sample, and wherever `wanted` is False: only the tokens a loss reads pay for the head).
 Attention never crosses samples: the backend gets a block-diagonal causal mask (flex / sdpa) or restarting position
-ids (flash-attn varlen). The [tokens, vocab] logits are never held in full: `fused_logprobs` works in chunks of
+ids (flash-attn varlen). A segment with a `parent_index` (a group's own tokens after a prompt laid out once, see
+`primerl.transport.rollouts`) also sees its parent segment, and its first token is predicted from the parent's last
+one; only the mask-based backends (sdpa, flex, eager) can express that. The [tokens, vocab] logits are never held in full: `fused_logprobs` works in chunks of
 `chunk_tokens` rows and recomputes each chunk's logits in backward.
 
 Precision: parameters and AdamW states stay float32 (master weights); compute runs in `compute_dtype` (bfloat16 on
@@ -203,27 +206,43 @@ def _hf_attention_name(attention: str) -> str:
     return _HF_VARLEN_NAME
 
 
-def packed_attention_mask(attention: str, sample_index: Tensor, dtype: torch.dtype) -> object | None:
-    """The mask that keeps each token's attention inside its own sample (causal), in the form `attention` wants.
+def packed_attention_mask(
+    attention: str, sample_index: Tensor, dtype: torch.dtype, parent_index: Tensor | None = None
+) -> object | None:
+    """The mask that keeps each token's attention inside its own sample (causal), in the form `attention` wants; a
+    token whose segment has a parent (`parent_index` >= 0) also sees that parent segment.
 
     flex_attention: a BlockMask (blocks outside every sample are skipped); sdpa: a [rows, 1, S, S] boolean mask;
     eager: the same as an additive float mask; flash_attention_2 / varlen: None (boundaries are passed otherwise).
     """
+    shared = parent_index is not None and bool((parent_index >= 0).any())
     if attention in ("flash_attention_2", VARLEN):
+        if shared:
+            raise ValueError(
+                f"train.attention = {attention!r} cannot attend across segments: batches with shared prompts "
+                "(orchestrator.batch.share_prompts) need sdpa or flex_attention"
+            )
         return None
     rows, seq = sample_index.shape
     if attention == "flex_attention":
         from torch.nn.attention.flex_attention import create_block_mask
 
+        parents = parent_index if shared else None
+
         def same_sample_causal(b, h, q, kv):
-            return (sample_index[b, q] == sample_index[b, kv]) & (q >= kv)
+            visible = sample_index[b, q] == sample_index[b, kv]
+            if parents is not None:
+                visible = visible | ((parents[b, q] >= 0) & (parents[b, q] == sample_index[b, kv]))
+            return visible & (q >= kv)
 
         return create_block_mask(
             same_sample_causal, rows, None, seq, seq, device=sample_index.device, _compile=sample_index.is_cuda
         )
     causal = torch.ones(seq, seq, dtype=torch.bool, device=sample_index.device).tril_()
-    allowed = (sample_index[:, :, None] == sample_index[:, None, :]) & causal
-    allowed = allowed[:, None]
+    visible = sample_index[:, :, None] == sample_index[:, None, :]
+    if shared:
+        visible |= (parent_index[:, :, None] >= 0) & (parent_index[:, :, None] == sample_index[:, None, :])
+    allowed = (visible & causal)[:, None]
     if attention == "sdpa":
         return allowed
     if attention == "eager":
@@ -233,13 +252,33 @@ def packed_attention_mask(attention: str, sample_index: Tensor, dtype: torch.dty
     raise ValueError(f"unknown attention backend {attention!r}")
 
 
+def predecessor_positions(sample_index: Tensor, parent_index: Tensor | None = None) -> Tensor:
+    """For each token, the position in its row of the token whose hidden state predicts it: the one before it in its
+    own segment, or for the first token of a segment with a parent, the parent's last token; -1 where nothing does
+    (the first token of a sample, padding)."""
+    rows, seq = sample_index.shape
+    positions = torch.arange(seq, device=sample_index.device).expand(rows, seq)
+    previous = torch.full_like(sample_index, -1)
+    continues = (sample_index[:, 1:] == sample_index[:, :-1]) & (sample_index[:, 1:] >= 0)
+    previous[:, 1:] = torch.where(continues, positions[:, :-1], -1)
+    if parent_index is None or not bool((parent_index >= 0).any()):
+        return previous
+    segments = int(sample_index.max()) + 1
+    last = torch.full((rows, segments), -1, dtype=positions.dtype, device=sample_index.device)
+    real = sample_index >= 0
+    last.scatter_reduce_(1, sample_index.clamp(min=0), torch.where(real, positions, -1), reduce="amax")
+    starts = (previous < 0) & (parent_index >= 0)
+    parent_last = last.gather(1, parent_index.clamp(min=0))
+    return torch.where(starts, parent_last, previous)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The policy module
 
 
 @dataclass
 class PolicyOutput:
-    logprobs: Tensor  # [rows, seq], float32; 0 at the first token of each sample
+    logprobs: Tensor  # [rows, seq], float32; 0 at the first token of each sample and where not wanted
     entropy: Tensor  # [rows, seq], float32, no gradient
 
 
@@ -267,9 +306,17 @@ class Policy(nn.Module):
     def decoder_layers(self) -> nn.ModuleList:
         return self.causal_lm.get_decoder().layers
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor, sample_index: Tensor, temperature: float = 1.0):
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        sample_index: Tensor,
+        temperature: float = 1.0,
+        parent_index: Tensor | None = None,
+        wanted: Tensor | None = None,
+    ) -> PolicyOutput:
         causal_lm = self.causal_lm
-        mask = packed_attention_mask(self.attention, sample_index, self.compute_dtype)
+        mask = packed_attention_mask(self.attention, sample_index, self.compute_dtype, parent_index)
         boundaries = {}
         if self.attention == VARLEN:
             cu, longest = varlen_boundaries(sample_index)
@@ -277,18 +324,20 @@ class Policy(nn.Module):
         hidden = causal_lm.get_decoder()(
             input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False, **boundaries
         ).last_hidden_state
-        rows, seq, dim = hidden.shape
+        previous = predecessor_positions(sample_index, parent_index)
+        predicted = previous >= 0
+        if wanted is not None:
+            predicted &= wanted.bool()
+        rows, columns = predicted.nonzero(as_tuple=True)
         weight = causal_lm.get_output_embeddings().weight
-        targets = input_ids[:, 1:].reshape(-1)
         logprobs, entropy = fused_logprobs(
-            hidden[:, :-1].reshape(-1, dim), weight, targets, temperature, self.chunk_tokens, self.compute_dtype
+            hidden[rows, previous[rows, columns]], weight, input_ids[rows, columns], temperature, self.chunk_tokens,
+            self.compute_dtype,
         )
-        # the first token of a sample is not predicted by anything of its own sample: report 0 there
-        continues = (sample_index[:, 1:] == sample_index[:, :-1]).to(logprobs.dtype)
-        zeros = logprobs.new_zeros(rows, 1)
+        full = torch.zeros(input_ids.shape, dtype=logprobs.dtype, device=logprobs.device)
         return PolicyOutput(
-            logprobs=torch.cat([zeros, logprobs.view(rows, seq - 1) * continues], dim=1),
-            entropy=torch.cat([zeros, entropy.view(rows, seq - 1) * continues], dim=1),
+            logprobs=full.index_put((rows, columns), logprobs),
+            entropy=full.index_put((rows, columns), entropy),
         )
 
     def autocast(self, device: torch.device):

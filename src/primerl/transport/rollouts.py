@@ -6,6 +6,9 @@ Contract, in four lines:
   with the token itself, 0 where `loss_mask` is 0) and `advantages` (per token, or one number for the whole sample).
 - `pack_samples` packs samples into rows of exactly `seq_len` tokens; `position_ids` restart at 0 for every sample and
   `sample_index` says which sample each token belongs to (-1 on padding), so attention never crosses samples.
+  With `share_prefixes`, samples that begin with the same prompt (a group's rollouts) are laid out as the prompt once,
+  then each sample's own tokens: those tokens have `parent_index` = the prompt segment's index and attend to it as if
+  it were their own beginning (the prompt segment's index is past the samples', so it names no sample).
 - `write_batch` splits the rows over data-parallel ranks (equal row counts, balanced tokens) and publishes the batch
   atomically: everything is written under a temporary name, then the directory is renamed to `step_<n>`.
 
@@ -16,8 +19,8 @@ Training on it produces policy version n + 1, published as `weights/step_<n+1>`.
 Layout of `rollouts/step_<n>/`:
     meta.json              {"format_version", "step", "seq_len", "num_ranks", "rows_per_rank", "temperature",
                             "num_samples", "num_tokens", "num_loss_tokens", "num_truncated", "samples": [...], "extra"}
-    rank_<r>.safetensors   arrays of shape [rows_per_rank, seq_len]: input_ids, position_ids, sample_index (int32),
-                           loss_mask (uint8), inference_logprobs, advantages (float32)
+    rank_<r>.safetensors   arrays of shape [rows_per_rank, seq_len]: input_ids, position_ids, sample_index,
+                           parent_index (int32), loss_mask (uint8), inference_logprobs, advantages (float32)
 
 Only numpy, safetensors.numpy and JSON are used here: the orchestrator imports this module without torch.
 """
@@ -37,7 +40,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ROLLOUTS_DIR = "rollouts"
 META_FILE = "meta.json"
 
@@ -46,6 +49,7 @@ ROW_FIELDS: dict[str, Any] = {
     "input_ids": np.int32,
     "position_ids": np.int32,
     "sample_index": np.int32,
+    "parent_index": np.int32,
     "loss_mask": np.uint8,
     "inference_logprobs": np.float32,
     "advantages": np.float32,
@@ -108,67 +112,126 @@ def empty_rows(num_rows: int, seq_len: int, pad_token_id: int = 0) -> dict[str, 
     rows = {name: np.zeros((num_rows, seq_len), dtype=dtype) for name, dtype in ROW_FIELDS.items()}
     rows["input_ids"][:] = pad_token_id
     rows["sample_index"][:] = -1
+    rows["parent_index"][:] = -1
     rows["position_ids"][:] = np.arange(seq_len, dtype=np.int32)
     return rows
 
 
-def pack_samples(samples: Sequence[Sample], seq_len: int, pad_token_id: int = 0) -> PackedRows:
+def shared_prompt_length(sample: Sample) -> int:
+    """How many leading tokens of `sample` it may share with others: those before its first loss token (0 when it
+    has its own position ids, which a shared layout would not keep)."""
+    if sample.position_ids is not None:
+        return 0
+    return next((i for i, m in enumerate(sample.loss_mask) if m), len(sample.input_ids))
+
+
+@dataclass
+class _Unit:
+    """What first-fit places in one row: a shared prompt (or none) followed by the own tokens of `members`."""
+
+    prompt: int  # tokens of the shared prompt laid out first (0: members are whole samples)
+    members: list[int]
+    length: int
+
+
+def _units(samples: Sequence[Sample], lengths: list[int], seq_len: int, share_prefixes: bool) -> list[_Unit]:
+    """Whole samples, each alone; with `share_prefixes`, samples that start with the same prompt and have tokens of
+    their own after it form units of one prompt plus as many members as fit in a row."""
+    families: dict[tuple[int, ...], list[int]] = {}
+    units = []
+    for i, sample in enumerate(samples):
+        prompt = shared_prompt_length(sample) if share_prefixes else 0
+        if 0 < prompt < lengths[i] == len(sample.input_ids):
+            families.setdefault(tuple(sample.input_ids[:prompt]), []).append(i)
+        else:
+            units.append(_Unit(0, [i], lengths[i]))
+    for prompt, members in families.items():
+        if len(members) == 1:
+            units.append(_Unit(0, members, lengths[members[0]]))
+            continue
+        unit = _Unit(len(prompt), [], len(prompt))
+        for i in members:
+            own = lengths[i] - len(prompt)
+            if unit.members and unit.length + own > seq_len:
+                units.append(unit)
+                unit = _Unit(len(prompt), [], len(prompt))
+            unit.members.append(i)
+            unit.length += own
+        units.append(unit if len(unit.members) > 1 else _Unit(0, unit.members, lengths[unit.members[0]]))
+    return units
+
+
+def pack_samples(
+    samples: Sequence[Sample], seq_len: int, pad_token_id: int = 0, share_prefixes: bool = False
+) -> PackedRows:
     """Pack samples into rows of exactly `seq_len` tokens, first-fit by decreasing length.
 
     A sample longer than `seq_len` is cut to its first `seq_len` tokens (counted in `num_truncated`). Each sample keeps
     its own position ids (restarting at 0); the tail of a row is padding with `loss_mask` 0 and `sample_index` -1.
-    Sample `i` of the input is `sample_index == i` in the rows, whatever row it lands in.
+    Sample `i` of the input is `sample_index == i` in the rows, whatever row it lands in. With `share_prefixes`, see
+    the module docstring: a shared prompt is laid out once per row, with `sample_index` len(samples) + k.
     """
     if seq_len <= 0:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
     lengths = [min(len(s.input_ids), seq_len) for s in samples]
-    order = sorted(range(len(samples)), key=lambda i: -lengths[i])
+    units = [u for u in _units(samples, lengths, seq_len, share_prefixes) if u.length > 0]
     row_fill: list[int] = []
-    placement: dict[int, tuple[int, int]] = {}  # sample -> (row, offset)
-    for i in order:
-        if lengths[i] == 0:
-            continue
-        row = next((r for r, used in enumerate(row_fill) if used + lengths[i] <= seq_len), None)
+    placement: list[tuple[_Unit, int, int]] = []  # (unit, row, offset)
+    for unit in sorted(units, key=lambda u: -u.length):
+        row = next((r for r, used in enumerate(row_fill) if used + unit.length <= seq_len), None)
         if row is None:
             row_fill.append(0)
             row = len(row_fill) - 1
-        placement[i] = (row, row_fill[row])
-        row_fill[row] += lengths[i]
+        placement.append((unit, row, row_fill[row]))
+        row_fill[row] += unit.length
 
     arrays = empty_rows(len(row_fill), seq_len, pad_token_id)
     infos = []
-    num_truncated = 0
     for i, sample in enumerate(samples):
         n = lengths[i]
-        truncated = n < len(sample.input_ids)
-        num_truncated += truncated
-        loss_mask = np.asarray(sample.loss_mask[:n], dtype=np.uint8)
         infos.append(
             {
                 "env": sample.env,
                 "policy_versions": list(sample.policy_versions),
                 "num_tokens": n,
-                "num_loss_tokens": int(loss_mask.sum()),
-                "truncated": bool(truncated),
+                "num_loss_tokens": int(sum(sample.loss_mask[:n])),
+                "truncated": n < len(sample.input_ids),
             }
         )
-        if i not in placement:
-            continue
-        row, start = placement[i]
-        span = slice(start, start + n)
-        arrays["input_ids"][row, span] = sample.input_ids[:n]
-        positions = sample.position_ids[:n] if sample.position_ids is not None else np.arange(n)
+
+    def put(row: int, start: int, sample: Sample, first: int, end: int, index: int, parent: int) -> None:
+        """Tokens first..end-1 of `sample` at row[start:], as segment `index` continuing segment `parent`."""
+        span = slice(start, start + end - first)
+        arrays["input_ids"][row, span] = sample.input_ids[first:end]
+        positions = sample.position_ids[first:end] if sample.position_ids is not None else np.arange(first, end)
         arrays["position_ids"][row, span] = positions
-        arrays["sample_index"][row, span] = i
+        arrays["sample_index"][row, span] = index
+        arrays["parent_index"][row, span] = parent
+        loss_mask = np.asarray(sample.loss_mask[first:end], dtype=np.uint8)
         arrays["loss_mask"][row, span] = loss_mask
         arrays["inference_logprobs"][row, span] = (
-            np.asarray(sample.inference_logprobs[:n], dtype=np.float32) * loss_mask
+            np.asarray(sample.inference_logprobs[first:end], dtype=np.float32) * loss_mask
         )
-        advantages = sample.advantages if isinstance(sample.advantages, (int, float)) else sample.advantages[:n]
-        arrays["advantages"][row, span] = advantages
+        advantages = sample.advantages
+        arrays["advantages"][row, span] = advantages if isinstance(advantages, (int, float)) else advantages[first:end]
+
+    next_prompt_index = len(samples)
+    for unit, row, offset in placement:
+        if not unit.prompt:
+            (i,) = unit.members
+            put(row, offset, samples[i], 0, lengths[i], i, -1)
+            continue
+        prompt_index, next_prompt_index = next_prompt_index, next_prompt_index + 1
+        put(row, offset, samples[unit.members[0]], 0, unit.prompt, prompt_index, -1)
+        arrays["loss_mask"][row, offset : offset + unit.prompt] = 0
+        arrays["advantages"][row, offset : offset + unit.prompt] = 0.0
+        offset += unit.prompt
+        for i in unit.members:
+            put(row, offset, samples[i], unit.prompt, lengths[i], i, prompt_index)
+            offset += lengths[i] - unit.prompt
     for row, used in enumerate(row_fill):  # the padding tail is a pseudo-sample of its own: positions restart
         arrays["position_ids"][row, used:] = np.arange(seq_len - used, dtype=np.int32)
-    return PackedRows(arrays=arrays, samples=infos, num_truncated=num_truncated)
+    return PackedRows(arrays=arrays, samples=infos, num_truncated=sum(info["truncated"] for info in infos))
 
 
 def split_rows(arrays: dict[str, np.ndarray], num_ranks: int, pad_token_id: int = 0) -> list[dict[str, np.ndarray]]:
@@ -210,6 +273,7 @@ def write_batch(
     pad_token_id: int = 0,
     temperature: float = 1.0,
     extra: dict[str, Any] | None = None,
+    share_prefixes: bool = False,
 ) -> Path:
     """Pack `samples`, split them over `num_ranks` trainer ranks and publish `<run>/rollouts/step_<step>/` atomically.
 
@@ -220,7 +284,7 @@ def write_batch(
     final = batch_dir(run_dir, step)
     if final.exists():
         raise FileExistsError(f"{final} already exists")
-    packed = pack_samples(samples, seq_len, pad_token_id)
+    packed = pack_samples(samples, seq_len, pad_token_id, share_prefixes)
     parts = split_rows(packed.arrays, num_ranks, pad_token_id)
     meta = {
         "format_version": FORMAT_VERSION,
@@ -233,6 +297,7 @@ def write_batch(
         "num_samples": len(samples),
         "num_tokens": int(sum(s["num_tokens"] for s in packed.samples)),
         "num_loss_tokens": int(packed.arrays["loss_mask"].sum()),
+        "num_packed_tokens": int((packed.arrays["sample_index"] >= 0).sum()),
         "num_truncated": packed.num_truncated,
         "samples": packed.samples,
         "extra": extra or {},
@@ -261,12 +326,18 @@ def read_batch(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> B
     """
     path = Path(path)
     meta = json.loads((path / META_FILE).read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: batch format {meta.get('format_version')}, this trainer reads {FORMAT_VERSION}")
+    if meta.get("format_version") not in (1, FORMAT_VERSION):
+        raise ValueError(f"{path}: batch format {meta.get('format_version')}, this trainer reads 1 and {FORMAT_VERSION}")
+
+    def load(r: int) -> dict[str, np.ndarray]:
+        arrays = load_file(str(path / f"rank_{r}.safetensors"))
+        arrays.setdefault("parent_index", np.full_like(arrays["sample_index"], -1))  # format 1: nothing shared
+        return arrays
+
     if meta["num_ranks"] == world_size:
-        arrays = load_file(str(path / f"rank_{rank}.safetensors"))
+        arrays = load(rank)
     else:
-        parts = [load_file(str(path / f"rank_{r}.safetensors")) for r in range(meta["num_ranks"])]
+        parts = [load(r) for r in range(meta["num_ranks"])]
         merged = {name: np.concatenate([p[name] for p in parts]) for name in ROW_FIELDS}
         arrays = split_rows(merged, world_size, meta.get("pad_token_id", 0))[rank]
     return Batch(arrays={name: arrays[name] for name in ROW_FIELDS}, meta=meta)

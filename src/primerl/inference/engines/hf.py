@@ -88,7 +88,10 @@ class HFEngine(Engine):
         decoder: DecoderKind = "auto",
         cuda_graphs: bool | None = None,
         decode_steps: int = 8,
+        threads: int | None = None,
     ):
+        if threads is not None:
+            torch.set_num_threads(threads)  # the process's intra-op pool, which the scheduler thread's steps use
         self.model_source = model
         self.model_name = model_name or str(model)
         self.device = torch.device(
