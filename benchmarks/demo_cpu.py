@@ -1,0 +1,114 @@
+"""The README's first command as a user runs it: `rl recipes/reverse-text.toml` (checklist, then 20 RL steps on the
+embedded SmolLM2-135M-Instruct), timed from launch to exit, with the reward curve it produced.
+
+Runs the recipe in a fresh run directory (`--run-dir`, default a temporary one), reads the orchestrator's records of
+metrics.jsonl (mean reward of each step's rollouts) and the checklist's report, and reports: wall time,
+checklist time, time to the first trained step, the reward per step, the mean of the first and of the last three
+steps and their difference, and the load average before and after (other work on the machine slows every figure;
+the file says how busy it was). The checklist's time is the sum of its steps in `<run>/checklist.json`. The model must be in the cache already (`primerl models prepare`): the download is
+not part of the figure. Prints one JSON object; `--out FILE` also writes it.
+
+    uv run python benchmarks/demo_cpu.py --out benchmarks/results/demo_reverse_text_cpu.json [--plot docs/FILE.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPE = REPO / "recipes" / "reverse-text.toml"
+
+
+def rewards_per_step(run_dir: Path) -> list[float]:
+    from primerl.monitor import read_metrics
+
+    records = sorted(read_metrics(run_dir, "orchestrator"), key=lambda r: r["step"])
+    return [round(float(r["reward_mean"]), 4) for r in records]
+
+
+def plot_rewards(path: Path, rewards: list[float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(len(rewards)), rewards, marker="o")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward of the step's rollouts")
+    ax.set_title("rl recipes/reverse-text.toml on 2 CPU cores")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", type=Path, default=RECIPE)
+    parser.add_argument("--run-dir", type=Path, help="run directory (default: a fresh temporary one, removed after)")
+    parser.add_argument("--plot", type=Path, help="also draw the reward per step into this PNG")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("extra", nargs="*", help="more `rl` arguments, e.g. --no-check")
+    args = parser.parse_args(argv)
+
+    run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="primerl-demo-")) / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    load_before = os.getloadavg()
+    command = [sys.executable, "-m", "primerl.cli", "rl", str(args.recipe), "--run-dir", str(run_dir), *args.extra]
+    started = time.time()
+    console = []
+    with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            console.append((round(time.time() - started, 1), line.rstrip()))
+            print(f"[{console[-1][0]:7.1f}s] {line}", end="", file=sys.stderr, flush=True)
+    wall = time.time() - started
+    if proc.returncode != 0:
+        raise SystemExit(f"rl exited {proc.returncode}; see the console above")
+    rewards = rewards_per_step(run_dir)
+    report = run_dir / "checklist.json"
+    checklist = sum(s["seconds"] for s in json.loads(report.read_text())["steps"]) if report.exists() else None
+    from primerl.monitor import read_metrics
+
+    trained = sorted(read_metrics(run_dir, "trainer"), key=lambda r: r["step"])
+    first3, last3 = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
+    result = {
+        "benchmark": "README's first command: rl recipes/reverse-text.toml, launch to exit",
+        "command": " ".join(["rl", str(args.recipe.relative_to(REPO)) if args.recipe.is_relative_to(REPO) else
+                             str(args.recipe), *args.extra]),
+        "wall_s": round(wall, 1),
+        "checklist_s": round(checklist, 1) if checklist is not None else None,
+        "first_step_s": round(trained[0]["time"] - started, 1) if trained else None,
+        "steps": len(rewards),
+        "rewards": rewards,
+        "first3_mean": round(first3, 4),
+        "last3_mean": round(last3, 4),
+        "gain": round(last3 - first3, 4),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    }
+    if args.plot:
+        plot_rewards(args.plot, rewards)
+    if args.run_dir is None:
+        shutil.rmtree(run_dir.parent, ignore_errors=True)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
