@@ -298,6 +298,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
     print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
+    if warning := cfg.orchestrator.sampling.biased_ratio_warning():
+        print(f"rl: warning: {warning}", file=stream, flush=True)
     first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone: the checkpoint's step
     console = Console(run_dir, cfg.max_steps, first_step, stream)
     in_main_thread = threading.current_thread() is threading.main_thread()
