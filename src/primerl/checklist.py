@@ -17,8 +17,8 @@ Steps, in order (each with its own timeout; `--only` / `--skip` pick them by nam
 
 A step ends `passed`, `failed`, or `skipped` with the reason — a step that cannot run on this machine (a GPU step
 without a GPU) is skipped, never passed. The heavy steps run the real commands as subprocesses; their output goes to
-`<log dir>/<step>.log` (`rl` runs keep them in `<run>/logs/checklist/`). The console gets progress lines and a table; the JSON report (default
-`<run dir>/checklist.json`) gets every step's status, detail and duration. Exit code: 0 when nothing failed, 1 when a
+`<run>/logs/checklist/<step>.log` (`primerl check` and `rl` alike; nothing is left in the temporary directory). The
+console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's status, detail and duration. Exit code: 0 when nothing failed, 1 when a
 step failed, 2 on a usage or recipe error.
 """
 
@@ -48,6 +48,7 @@ INFERENCE_STARTUP_S = 600
 FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
 FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"
 DEFAULT_RUN_DIR = Path("runs/check")
+CHECKLIST_LOGS = Path("logs") / "checklist"  # the heavy steps' logs, inside the run directory
 
 
 class Skip(Exception):
@@ -457,11 +458,17 @@ def select_steps(only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[Ste
 
 def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path | None = None,
                   out=sys.stdout) -> ChecklistReport:
-    """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` (default: a
-    fresh temporary directory, printed) and are kept; their outputs go to a scratch directory removed at the end."""
+    """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` and are kept;
+    without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
+    one failed. Their outputs go to a scratch directory removed at the end."""
     if log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
-        print(f"checklist logs: {log_dir}", file=out, flush=True)
+        scratch_logs = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
+        report = run_checklist(recipe, run_dir, steps, scratch_logs, out)
+        if report.failed:
+            print(f"checklist logs: {scratch_logs}", file=out, flush=True)
+        else:
+            shutil.rmtree(scratch_logs, ignore_errors=True)
+        return report
     log_dir.mkdir(parents=True, exist_ok=True)
 
     def say(message: str) -> None:
@@ -539,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or (Path("runs") / recipe.name if recipe else DEFAULT_RUN_DIR)
-    report = run_checklist(recipe, run_dir, steps)
+    report = run_checklist(recipe, run_dir, steps, log_dir=run_dir / CHECKLIST_LOGS)
     print("\n" + report.table())
     report_path = args.report or run_dir / "checklist.json"
     try:
@@ -549,7 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: cannot write the report {report_path}: {e}", file=sys.stderr)
         return 1
     if report.failed:
-        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)}", file=sys.stderr)
+        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)} (logs: {run_dir / CHECKLIST_LOGS})",
+              file=sys.stderr)
         return 1
     return 0
 

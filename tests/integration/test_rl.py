@@ -27,8 +27,9 @@ def test_rl_runs_three_steps_one_step_off_policy(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     for step in (1, 2, 3):
         assert f"step {step}/3 |" in result.stdout
-    assert [r["step"] for r in records(run, "orchestrator")] == [0, 1, 2]
-    assert [r["step"] for r in records(run, "trainer")] == [1, 2, 3]
+    # one numbering: the orchestrator's record of rollouts/step_n is logged under the training step n + 1
+    assert [(r["step"], r["rollout_step"]) for r in records(run, "orchestrator")] == [(1, 0), (2, 1), (3, 2)]
+    assert [(r["step"], r["rollout_step"]) for r in records(run, "trainer")] == [(1, 0), (2, 1), (3, 2)]
     assert stable_steps(run)[-1] == 3
     for name in ("inference", "orchestrator", "trainer"):
         assert (run / "logs" / f"{name}.log").stat().st_size > 0

@@ -180,7 +180,7 @@ class Console:
 
     def _trained(self, record: dict) -> None:
         step = int(record["step"])
-        batch = self.orchestrator.pop(int(record.get("rollout_step", step - 1)), {})
+        batch = self.orchestrator.pop(step, {})
         merged = {**{k: batch.get(k) for k in ORCHESTRATOR_KEYS}, **{k: record.get(k) for k in TRAINER_KEYS}}
         line = format_line(step, merged, ORCHESTRATOR_KEYS + TRAINER_KEYS).replace(
             f"step {step}", f"step {step}/{self.max_steps}", 1)

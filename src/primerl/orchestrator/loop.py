@@ -8,7 +8,8 @@ Contract:
   max_async_steps; samples older than the off-policy limit are dropped and counted. Groups whose advantages are all
   zero are dropped (configurable) and replaced by new tasks, up to `max_extra_groups` per step.
 - It watches `weights/` and loads each newer STABLE snapshot into the server through `POST /admin/update_weights`.
-- After each batch it appends a record to metrics.jsonl (source "orchestrator") and, every `ckpt.interval` batches,
+- After each batch it appends a record to metrics.jsonl (source "orchestrator", `"step": n + 1` = the training step
+  that consumes `rollouts/step_<n>`, `"rollout_step": n`) and, every `ckpt.interval` batches,
   saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
 
 Torch-free: it imports verifiers, httpx and numpy, never a model.
@@ -495,10 +496,11 @@ class Orchestrator:
         if self.progress.next_step % cfg.ckpt.interval == 0 or self.progress.next_step == cfg.max_steps:
             save_progress(self.run_dir, self.progress, cfg.ckpt.keep_last)
         record = self._step_metrics(step, groups, samples, meta, write_s)
-        self.metrics.log(step, record)
+        # Logged under the training step that consumes the batch (the trainer's record of it has the same step).
+        self.metrics.log(step + 1, {"rollout_step": step, **record})
         log.info(
-            "step %d: reward %.4f (batch %.4f), %d samples, lag %s, %.1fs",
-            step, record["reward_mean"], record["batch_reward_mean"], len(samples),
+            "step %d (rollouts/step_%d): reward %.4f (batch %.4f), %d samples, lag %s, %.1fs",
+            step + 1, step, record["reward_mean"], record["batch_reward_mean"], len(samples),
             record["policy_lag_max"], record["step_s"],
         )
         self.stats = StepStats()

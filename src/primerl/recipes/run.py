@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     argv = [a for a in argv if a != "@"]
     argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
     args, rest = _parser(prog).parse_known_args(argv)
-    from primerl.checklist import STEPS, run_checklist, write_report
+    from primerl.checklist import CHECKLIST_LOGS, STEPS, run_checklist, write_report
     from primerl.launch.local import LaunchError, require_writable
     from primerl.launch.processes import exit_with_parent
 
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
 
     statuses = None
     if not args.no_check:
-        report = run_checklist(recipe, plan.run_dir, STEPS, log_dir=plan.run_dir / "logs" / "checklist")
+        report = run_checklist(recipe, plan.run_dir, STEPS, log_dir=plan.run_dir / CHECKLIST_LOGS)
         print("\n" + report.table(), flush=True)
         write_report(report, plan.run_dir / "checklist.json")
         if report.failed:
