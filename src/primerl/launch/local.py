@@ -384,10 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     from primerl.recipes import recipe_in_argv
 
-    if recipe_in_argv(argv):
+    config_files = [a for a in argv if a == "@" or a.startswith("@") or a.endswith(".toml")]
+    if recipe_in_argv(argv) or (not config_files and ("-h" in argv or "--help" in argv)):
         from primerl.recipes.run import main as run_recipe
 
-        return run_recipe(argv, prog="rl")
+        return run_recipe(argv, prog="rl")  # `rl --help` shows the options as a recipe takes them
     cfg = config_from_argv(RLConfig, argv, prog="rl", summary=(RLConfig.__doc__ or "").strip())
     return run_rl(cfg)
 
