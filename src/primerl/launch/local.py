@@ -341,8 +341,21 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
             resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
             print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
                   f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
+            _drop_old_snapshots(cfg, stream)
             return 0
         time.sleep(POLL_S)
+
+
+def _drop_old_snapshots(cfg: RLConfig, stream) -> None:
+    """After a finished run only the last weight snapshot is of use (the trained model; a resume restores from the
+    trainer checkpoint and writes its snapshot again if it is gone): all but the newest `keep_weights_after_run` go.
+    Every process has stopped, so nothing reads them any more."""
+    if cfg.keep_weights_after_run == 0:
+        return
+    if removed := weight_snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
+        print(f"rl: removed the older weight snapshots {removed}; the trained model is "
+              f"{weight_snapshots.weights_dir(cfg.output_dir, weight_snapshots.stable_steps(cfg.output_dir)[-1])}",
+              file=stream, flush=True)
 
 
 def _forget_what_is_redone(run_dir: Path, stream) -> None:
