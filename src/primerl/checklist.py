@@ -430,6 +430,7 @@ class ChecklistReport:
     recipe: str | None
     run_dir: str
     steps: list[StepResult]
+    log_dir: str | None = None  # where the heavy steps' logs are
 
     @property
     def failed(self) -> list[StepResult]:
@@ -439,7 +440,7 @@ class ChecklistReport:
         return {s.name: s.status for s in self.steps}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed,
+        return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed, "log_dir": self.log_dir,
                 "steps": [asdict(s) for s in self.steps]}
 
     def table(self) -> str:
@@ -461,6 +462,11 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
     """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` and are kept;
     without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
     one failed. Their outputs go to a scratch directory removed at the end."""
+    try:
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable run directory: the run_dir step says why; the logs go to scratch meanwhile
+        log_dir = None
     if log_dir is None:
         scratch_logs = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
         report = run_checklist(recipe, run_dir, steps, scratch_logs, out)
@@ -468,8 +474,8 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             print(f"checklist logs: {scratch_logs}", file=out, flush=True)
         else:
             shutil.rmtree(scratch_logs, ignore_errors=True)
+            report.log_dir = None
         return report
-    log_dir.mkdir(parents=True, exist_ok=True)
 
     def say(message: str) -> None:
         print(f"        {message}", file=out, flush=True)
@@ -482,7 +488,7 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             result = _run_step(step, ctx)
             print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
             results.append(result)
-    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results)
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir))
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:
@@ -556,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: cannot write the report {report_path}: {e}", file=sys.stderr)
         return 1
     if report.failed:
-        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)} (logs: {run_dir / CHECKLIST_LOGS})",
+        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)} (logs: {report.log_dir})",
               file=sys.stderr)
         return 1
     return 0
