@@ -18,8 +18,8 @@ Steps, in order (each with its own timeout; `--only` / `--skip` pick them by nam
 A step ends `passed`, `failed`, or `skipped` with the reason — a step that cannot run on this machine (a GPU step
 without a GPU) is skipped, never passed. The heavy steps run the real commands as subprocesses; their output goes to
 `<run>/logs/checklist/<step>.log` (`primerl check` and `rl` alike; nothing is left in the temporary directory). The
-console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's status, detail and duration. Exit code: 0 when nothing failed, 1 when a
-step failed, 2 on a usage or recipe error.
+console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's
+status, detail and duration. Exit code: 0 when nothing failed, 1 when a step failed, 2 on a usage or recipe error.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from primerl.config import ConfigError, to_toml
 from primerl.config.loader import closest_option, is_option, parse_args
 from primerl.recipes.manifest import MANIFEST_FILE, build_manifest, now, write_manifest
 from primerl.recipes.pins import PinReport, find_lock_file, format_checks, stderr_progress, verify_pins
-from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, validate_stage
+from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, recipe_in_argv, validate_stage
 
 DRIFT_EXIT_CODE = 3
 CHECK_FAILED_EXIT_CODE = 1
@@ -163,8 +163,6 @@ def stage_options_help(stages: list[str]) -> str:
 
 def _help_stages(argv: list[str], prog: str) -> list[str]:
     """The stages whose options `--help` lists: the recipe's, else the command's own (rl), else every kind."""
-    from primerl.recipes.schema import recipe_in_argv
-
     if (path := recipe_in_argv(argv)) is not None:
         try:
             return list(load_recipe(path).info.stages)
