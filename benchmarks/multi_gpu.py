@@ -289,7 +289,7 @@ def collect(run_dir: Path, started: float) -> dict[str, Any]:
                                   k.endswith("_s")})
     steps = []
     for step in sorted(orchestrator):
-        o, t = orchestrator[step], trainer.get(step + 1, {})  # trainer step k+1 trained on rollouts/step_k
+        o, t = orchestrator[step], trainer.get(step, {})  # both records of training step k (rollouts/step_<k-1>)
         publish_s = t.get("weights_broadcast_s", t.get("weights_export_s"))
         to_serving = o.get("stable_to_serving_s")
         steps.append({"step": step, "reward_mean": o.get("reward_mean"), "weight_update_s": o.get("weight_update_s"),

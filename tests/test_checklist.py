@@ -86,6 +86,34 @@ def test_tampered_model_weights_fail_the_model_step(tmp_path, tiny_model_dir):
     assert status == "failed" and "model file model.safetensors: pinned" in detail
 
 
+def test_check_leaves_nothing_in_the_temporary_directory(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = check(str(TINY_RECIPE), "--only", "python", "--run-dir", str(tmp_path / "run"), env={"TMPDIR": str(tmp)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert list(tmp.iterdir()) == []
+
+
+def test_scratch_logs_are_removed_after_a_pass_and_kept_and_named_after_a_failure(tmp_path, monkeypatch):
+    import io
+    import tempfile
+
+    from primerl.checklist import Fail, Step, run_checklist
+
+    def fails(ctx):
+        (ctx.log_dir / "failing.log").write_text("what went wrong")
+        raise Fail("broken")
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    out = io.StringIO()
+    run_checklist(None, tmp_path / "run", [Step("fine", "passes", 5, lambda ctx: "ok")], out=out)
+    assert not list(tmp_path.glob("primerl-checklist-logs-*")) and "checklist logs" not in out.getvalue()
+    run_checklist(None, tmp_path / "run", [Step("failing", "fails", 5, fails)], out=out)
+    (kept,) = tmp_path.glob("primerl-checklist-logs-*")
+    assert (kept / "failing.log").read_text() == "what went wrong"
+    assert f"checklist logs: {kept}" in out.getvalue()
+
+
 def test_unknown_step_names_are_a_usage_error():
     proc = check("--only", "pyton")
     assert proc.returncode == 2 and "pyton" in proc.stderr

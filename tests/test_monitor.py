@@ -48,8 +48,29 @@ def test_plot_writes_pngs(tmp_path, capsys):
 
 
 def test_plot_without_metrics_is_an_error(tmp_path, capsys):
-    assert main([str(tmp_path)]) == 2
-    assert "no metrics.jsonl" in capsys.readouterr().err
+    assert main([str(tmp_path / "runs" / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no metrics.jsonl in" in err and "give the run directory" in err
+
+
+def _run_with_rewards(run_dir):
+    MetricsLogger(run_dir, "orchestrator").log(1, {"reward_mean": 0.5})
+    return run_dir / "plots" / "reward.png"
+
+
+def test_plot_takes_the_run_directory_or_a_stage_directory_in_it(tmp_path, capsys):
+    recipe_run = tmp_path / "reverse-text"  # a recipe run: its rl stage writes into the run directory itself
+    png = _run_with_rewards(recipe_run)
+    assert main([str(recipe_run / "rl")]) == 0  # what the README used to say
+    assert capsys.readouterr().out.splitlines() == [str(png)]
+    assert main([str(recipe_run / "logs")]) == 0
+
+
+def test_plot_of_a_run_split_by_stage_draws_every_stage(tmp_path, capsys):
+    run = tmp_path / "demo"  # the demo by hand: runs/reverse-text/{sft,rl}
+    pngs = [_run_with_rewards(run / "rl"), _run_with_rewards(run / "sft")]
+    assert main([str(run)]) == 0
+    assert capsys.readouterr().out.splitlines() == [str(p) for p in pngs]
 
 
 def _wandb_writer(run_dir, source, records):

@@ -17,9 +17,9 @@ Steps, in order (each with its own timeout; `--only` / `--skip` pick them by nam
 
 A step ends `passed`, `failed`, or `skipped` with the reason — a step that cannot run on this machine (a GPU step
 without a GPU) is skipped, never passed. The heavy steps run the real commands as subprocesses; their output goes to
-`<log dir>/<step>.log` (`rl` runs keep them in `<run>/logs/checklist/`). The console gets progress lines and a table; the JSON report (default
-`<run dir>/checklist.json`) gets every step's status, detail and duration. Exit code: 0 when nothing failed, 1 when a
-step failed, 2 on a usage or recipe error.
+`<run>/logs/checklist/<step>.log` (`primerl check` and `rl` alike; nothing is left in the temporary directory). The
+console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's
+status, detail and duration. Exit code: 0 when nothing failed, 1 when a step failed, 2 on a usage or recipe error.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ INFERENCE_STARTUP_S = 600
 FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
 FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"
 DEFAULT_RUN_DIR = Path("runs/check")
+CHECKLIST_LOGS = Path("logs") / "checklist"  # the heavy steps' logs, inside the run directory
 
 
 class Skip(Exception):
@@ -429,6 +430,7 @@ class ChecklistReport:
     recipe: str | None
     run_dir: str
     steps: list[StepResult]
+    log_dir: str | None = None  # where the heavy steps' logs are
 
     @property
     def failed(self) -> list[StepResult]:
@@ -438,7 +440,7 @@ class ChecklistReport:
         return {s.name: s.status for s in self.steps}
 
     def as_dict(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed,
+        return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed, "log_dir": self.log_dir,
                 "steps": [asdict(s) for s in self.steps]}
 
     def table(self) -> str:
@@ -457,12 +459,23 @@ def select_steps(only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[Ste
 
 def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path | None = None,
                   out=sys.stdout) -> ChecklistReport:
-    """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` (default: a
-    fresh temporary directory, printed) and are kept; their outputs go to a scratch directory removed at the end."""
+    """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` and are kept;
+    without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
+    one failed. Their outputs go to a scratch directory removed at the end."""
+    try:
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+    except OSError:  # an unwritable run directory: the run_dir step says why; the logs go to scratch meanwhile
+        log_dir = None
     if log_dir is None:
-        log_dir = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
-        print(f"checklist logs: {log_dir}", file=out, flush=True)
-    log_dir.mkdir(parents=True, exist_ok=True)
+        scratch_logs = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
+        report = run_checklist(recipe, run_dir, steps, scratch_logs, out)
+        if report.failed:
+            print(f"checklist logs: {scratch_logs}", file=out, flush=True)
+        else:
+            shutil.rmtree(scratch_logs, ignore_errors=True)
+            report.log_dir = None
+        return report
 
     def say(message: str) -> None:
         print(f"        {message}", file=out, flush=True)
@@ -475,7 +488,7 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             result = _run_step(step, ctx)
             print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
             results.append(result)
-    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results)
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir))
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:
@@ -539,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or (Path("runs") / recipe.name if recipe else DEFAULT_RUN_DIR)
-    report = run_checklist(recipe, run_dir, steps)
+    report = run_checklist(recipe, run_dir, steps, log_dir=run_dir / CHECKLIST_LOGS)
     print("\n" + report.table())
     report_path = args.report or run_dir / "checklist.json"
     try:
@@ -549,7 +562,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: cannot write the report {report_path}: {e}", file=sys.stderr)
         return 1
     if report.failed:
-        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)}", file=sys.stderr)
+        print(f"primerl check: failed: {', '.join(s.name for s in report.failed)} (logs: {report.log_dir})",
+              file=sys.stderr)
         return 1
     return 0
 

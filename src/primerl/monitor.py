@@ -177,18 +177,40 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     return written
 
 
+def runs_to_plot(path: Path) -> list[Path]:
+    """The directories with a metrics.jsonl that `primerl plot PATH` draws: PATH when it has one, with any of its
+    subdirectories that have their own (a recipe's `sft/` stage); else its subdirectories that have one (a run
+    directory split by stage, e.g. `runs/reverse-text/{sft,rl}`); else the run directory just above it (a stage or
+    role name inside a run, e.g. `runs/reverse-text/rl` or `.../logs`). Empty when none of these has one."""
+
+    def has_metrics(d: Path) -> bool:
+        return (d / METRICS_FILE).is_file()
+
+    here = [path] if has_metrics(path) else []
+    children = sorted(d for d in path.iterdir() if d.is_dir() and has_metrics(d)) if path.is_dir() else []
+    if here or children:
+        return here + children
+    return [path.parent] if has_metrics(path.parent) else []
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="primerl plot", description="Write PNG plots of a run's metrics.jsonl.")
-    parser.add_argument("run_dir")
+    parser = argparse.ArgumentParser(
+        prog="primerl plot",
+        description=f"Write PNG plots of a run's {METRICS_FILE} into <run>/plots/ and print their paths.",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/reverse-text), or a directory in it")
     args = parser.parse_args(argv)
-    if not (Path(args.run_dir) / METRICS_FILE).is_file():
-        print(f"primerl plot: error: no {METRICS_FILE} in {args.run_dir}", file=sys.stderr)
+    runs = runs_to_plot(args.run_dir)
+    if not runs:
+        print(f"primerl plot: error: no {METRICS_FILE} in {args.run_dir}, its subdirectories or the directory above "
+              "it; give the run directory (the one with metrics.jsonl, e.g. runs/reverse-text)", file=sys.stderr)
         return 2
-    written = plot_run(args.run_dir)
+    written = [path for run in runs for path in plot_run(run)]
     if not written:
-        print(f"primerl plot: error: {args.run_dir}/{METRICS_FILE} has no plottable metrics", file=sys.stderr)
+        print(f"primerl plot: error: {' and '.join(str(r / METRICS_FILE) for r in runs)} has no plottable metrics",
+              file=sys.stderr)
         return 2
     for path in written:
         print(path)

@@ -84,7 +84,7 @@ def test_override_forms_and_flags():
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--optim.lrr=1"], "unknown key 'optim.lrr' (from --optim.lrr)"),
+        (["--optim.lrr=1"], "unknown key 'optim.lrr' (from --optim.lrr); did you mean 'optim.lr'?"),
         (["--seed=abc"], "'seed': Input should be a valid integer"),
         (["--model.dtype=fp8"], "'model.dtype'"),
         (["missing.toml"], "config file not found: missing.toml"),

@@ -27,9 +27,12 @@ def test_rl_runs_three_steps_one_step_off_policy(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     for step in (1, 2, 3):
         assert f"step {step}/3 |" in result.stdout
-    assert [r["step"] for r in records(run, "orchestrator")] == [0, 1, 2]
-    assert [r["step"] for r in records(run, "trainer")] == [1, 2, 3]
-    assert stable_steps(run)[-1] == 3
+    # one numbering: the orchestrator's record of rollouts/step_n is logged under the training step n + 1
+    assert [(r["step"], r["rollout_step"]) for r in records(run, "orchestrator")] == [(1, 0), (2, 1), (3, 2)]
+    assert [(r["step"], r["rollout_step"]) for r in records(run, "trainer")] == [(1, 0), (2, 1), (3, 2)]
+    assert stable_steps(run) == [3]  # a finished run keeps its last snapshot only
+    assert f"rl: removed the older weight snapshots [1, 2]; the trained model is {run / 'weights' / 'step_3'}" \
+        in result.stdout
     for name in ("inference", "orchestrator", "trainer"):
         assert (run / "logs" / f"{name}.log").stat().st_size > 0
     # rollouts for step n come from policy n - 1 or newer, and new weights did reach the server
@@ -92,7 +95,8 @@ def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
 
 def test_rl_with_the_weight_broadcast(tmp_path):
     run = tmp_path / "run"
-    result = run_rl(run, "--weight_transfer=broadcast", "--max_async_steps=0", "--trainer.ckpt.interval=2")
+    result = run_rl(run, "--weight_transfer=broadcast", "--max_async_steps=0", "--trainer.ckpt.interval=2",
+                    "--keep_weights_after_run=0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert stable_steps(run) == [1, 2, 3]
     # step 1: a marker only; step 2: a marker, and full weights as a checkpoint step; step 3, the last: full weights
@@ -115,7 +119,8 @@ def test_rl_with_shared_weights(tmp_path):
     """weight_transfer = shared: versions travel through the trainer's shared buffer (shared memory on the CPU); the
     checkpoint step and the last step are written in full as well."""
     run = tmp_path / "run"
-    result = run_rl(run, "--weight_transfer=shared", "--max_async_steps=0", "--trainer.ckpt.interval=2")
+    result = run_rl(run, "--weight_transfer=shared", "--max_async_steps=0", "--trainer.ckpt.interval=2",
+                    "--keep_weights_after_run=0")
     assert result.returncode == 0, result.stdout + result.stderr
     assert stable_steps(run) == [1, 2, 3]
     assert shared_marker(weights_dir(run, 1)) and not has_files(weights_dir(run, 1))

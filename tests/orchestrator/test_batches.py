@@ -30,6 +30,16 @@ def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None):
     return score_group(task, samples, orchestrator.advantage_fn, seconds=0.1)
 
 
+def batch_advantages(path) -> list[float]:
+    batch = read_batch(path)
+    advantages: dict[int, float] = {}
+    for row in range(batch.num_rows):
+        for index, adv in zip(batch.arrays["sample_index"][row], batch.arrays["advantages"][row]):
+            if index >= 0:
+                advantages.setdefault(int(index), float(adv))
+    return sorted(advantages.values())
+
+
 @pytest.fixture
 def orchestrator(tmp_path):
     def make(**overrides) -> Orchestrator:
@@ -57,13 +67,7 @@ def test_a_batch_carries_each_rollouts_advantage(orchestrator, tmp_path):
     assert o._take_fresh_groups() is None  # one group of two
     o._collect(group("b", [0.25, 0.75], orchestrator=o))
     assert o._take_fresh_groups() == 0
-    batch = read_batch(tmp_path / "rollouts" / "step_0")
-    advantages = {}
-    for row in range(batch.num_rows):
-        for index, adv in zip(batch.arrays["sample_index"][row], batch.arrays["advantages"][row]):
-            if index >= 0:
-                advantages.setdefault(int(index), float(adv))
-    assert sorted(advantages.values()) == pytest.approx([-0.5, -0.25, 0.25, 0.5])
+    assert batch_advantages(tmp_path / "rollouts" / "step_0") == pytest.approx([-0.5, -0.25, 0.25, 0.5])
     assert json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())["extra"]["tasks"] == ["a", "b"]
     (record,) = read_metrics(tmp_path, "orchestrator")
     assert record["reward_mean"] == pytest.approx(0.5) and record["samples"] == 4
@@ -104,15 +108,45 @@ def test_samples_older_than_the_bound_are_dropped_and_counted(orchestrator, tmp_
     assert record["samples_dropped_off_policy"] == 2 and record["policy_lag_max"] == 1
 
 
-def test_failed_rollouts_score_but_never_reach_the_batch(orchestrator, tmp_path):
+def test_failed_rollouts_score_but_never_reach_the_batch_nor_the_baseline(orchestrator, tmp_path):
     o = orchestrator()
-    broken = score_group("x", [sample("x-0", 0.0, tokens=0, error="ProviderError: boom"), sample("x-1", 1.0)],
-                         o.advantage_fn, 0.1)
+    # x-0 failed after sampling tokens: its reward (0) is no evidence about the policy
+    broken = score_group("x", [sample("x-0", 0.0, error="ProviderError: boom"), sample("x-1", 1.0),
+                               sample("x-2", 0.0)], o.advantage_fn, 0.1)
+    assert broken.advantages == pytest.approx({"x-1": 0.5, "x-2": -0.5})
     o._collect(broken)
     o._collect(group("y", [0.0, 1.0], orchestrator=o))
     assert o._take_fresh_groups() == 0
-    assert json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())["num_samples"] == 3
-    assert read_metrics(tmp_path, "orchestrator")[0]["errors"] == 1
+    assert json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())["num_samples"] == 4
+    assert batch_advantages(tmp_path / "rollouts" / "step_0") == pytest.approx([-0.5, -0.5, 0.5, 0.5])
+    record = read_metrics(tmp_path, "orchestrator")[0]
+    assert record["errors"] == 1 and record["reward_mean"] == pytest.approx(2 / 5)  # every rollout counts as seen
+
+
+def test_a_group_that_lost_stale_samples_is_scored_again_over_the_rest(orchestrator, tmp_path):
+    o = orchestrator(max_async_steps=1)
+    o.progress.next_step = 3
+    samples = [sample("m-0", 1.0, versions=(1, 2)), sample("m-1", 0.0, versions=(2, 3)),
+               sample("m-2", 0.5, versions=(2, 3))]  # m-0 is older than 3 - 1: dropped
+    o._collect(score_group("m", samples, o.advantage_fn, 0.1))
+    o._collect(group("n", [0.0, 1.0], versions=(3, 3), orchestrator=o))
+    assert o._take_fresh_groups() == 3
+    # over m-1 and m-2 alone the mean is 0.25; with the dropped m-0 it was 0.5 (advantages -0.5 and 0)
+    assert batch_advantages(tmp_path / "rollouts" / "step_3") == pytest.approx([-0.5, -0.25, 0.25, 0.5])
+
+
+def test_a_sample_longer_than_seq_len_is_left_out_and_counted(orchestrator, tmp_path):
+    o = orchestrator()  # seq_len 16
+    long = score_group("l", [sample("l-0", 1.0, tokens=17), sample("l-1", 0.0), sample("l-2", 0.5)],
+                       o.advantage_fn, 0.1)
+    o._collect(long)
+    o._collect(group("s", [0.0, 1.0], orchestrator=o))
+    assert o._take_fresh_groups() == 0
+    meta = json.loads((tmp_path / "rollouts" / "step_0" / "meta.json").read_text())
+    assert meta["num_samples"] == 4 and meta["num_truncated"] == 0
+    # l-0 keeps its place in the baseline (its reward is real), it is only not trained on
+    assert batch_advantages(tmp_path / "rollouts" / "step_0") == pytest.approx([-0.5, -0.5, 0.0, 0.5])
+    assert read_metrics(tmp_path, "orchestrator")[0]["samples_too_long"] == 1
 
 
 def test_a_run_of_entirely_failed_groups_stops_the_orchestrator(orchestrator):

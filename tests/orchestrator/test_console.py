@@ -9,8 +9,8 @@ from primerl.monitor import MetricsLogger
 def test_one_line_per_trained_step_with_both_sides(tmp_path):
     out = io.StringIO()
     console = Console(tmp_path, max_steps=5, first_step=0, stream=out)
-    MetricsLogger(tmp_path, "orchestrator").log(0, {"reward_mean": 0.25, "policy_lag_max": 0})
-    MetricsLogger(tmp_path, "orchestrator").log(1, {"reward_mean": 0.5})
+    MetricsLogger(tmp_path, "orchestrator").log(1, {"reward_mean": 0.25, "policy_lag_max": 0, "rollout_step": 0})
+    MetricsLogger(tmp_path, "orchestrator").log(2, {"reward_mean": 0.5, "rollout_step": 1})
     console.poll()
     assert out.getvalue() == ""  # nothing trained yet
     MetricsLogger(tmp_path, "trainer").log(1, {"loss": 0.125, "rollout_step": 0})

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 
 import pytest
 from recipe_helpers import TINY_RECIPE, primerl
 
 from primerl.recipes import load_recipe
 from primerl.recipes.manifest import read_manifest
-from primerl.recipes.pins import verify_pins, version_matches
+from primerl.recipes.pins import architecture, format_checks, verify_pins, version_matches
 from primerl.recipes.run import DRIFT_EXIT_CODE, plan_run, start_run
 
 
@@ -81,6 +82,18 @@ def test_unpinned_pins_are_reported_as_unpinned_never_as_verified(tmp_path):
     check = next(c for c in report.checks if c.name == "model file model.safetensors")
     assert (check.status, check.pinned, check.found) == ("unpinned", "unpinned", pinned)
     assert check not in report.drifted and check in report.unpinned
+
+
+def test_the_pin_report_says_why_an_image_was_not_checked(tmp_path, monkeypatch):
+    monkeypatch.delenv("PRIMERL_IMAGE_DIGEST", raising=False)
+    other = "arm64" if architecture() == "amd64" else "amd64"
+    recipe_path = tmp_path / "tiny.toml"
+    recipe_path.write_text(TINY_RECIPE.read_text() + f'\n[pins.images]\n{architecture()} = "unpinned"\n'
+                           f'{other} = "unpinned"\n')
+    report = format_checks(verify_pins(load_recipe(recipe_path)).checks)
+    assert re.search(rf"image {other} +pinned unpinned  found not checked on {architecture()}$", report, re.MULTILINE)
+    assert "found not in a container" in report
+    assert "None" not in report
 
 
 @pytest.mark.parametrize(

@@ -92,3 +92,16 @@ def test_load_loss_binds_and_checks_kwargs():
         load_loss("primerl.trainer.loss:missing", {})
     with pytest.raises(ValueError, match="module:function"):
         load_loss("no_colon", {})
+
+
+@pytest.mark.parametrize("loss_fn", [masked_importance_loss, ppo_clip_loss])
+def test_mismatch_kl_is_exact_for_float32_log_probs_near_the_sampler(loss_fn):
+    # The trainer's log-probs are float32. For a log-ratio d near 0, r - 1 - log r ~ d^2 / 2 is a difference of terms
+    # near 1, which float32 rounds to noise: the metric must be computed in float64.
+    logq = torch.full((64,), -1.5, dtype=torch.float32)
+    logp = logq + torch.logspace(-4, -2, 64, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(32)
+    inputs = LossInputs(logprobs=logp, inference_logprobs=logq, advantages=torch.zeros(64),
+                        loss_mask=torch.ones(64, dtype=torch.bool), entropy=torch.zeros(64))
+    d = (logp - logq).double()  # the float32 log-ratios the loss sees, exactly
+    exact = math.fsum((torch.expm1(d) - d).tolist())
+    assert loss_fn(inputs).metrics["mismatch_kl"].item() == pytest.approx(exact, rel=1e-9)

@@ -11,9 +11,11 @@ Nothing here imports torch: the loader runs in every process, including ones tha
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import tomllib
+import typing
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -254,22 +256,71 @@ def build_layers(
     return layers
 
 
+def _table_type(annotation: Any) -> type[pydantic.BaseModel] | None:
+    """The config table a field holds (`Section`, or `Section | None`), else None."""
+    for candidate in (annotation, *typing.get_args(annotation)):
+        if isinstance(candidate, type) and issubclass(candidate, pydantic.BaseModel):
+            return candidate
+    return None
+
+
+def _free_form(annotation: Any) -> bool:
+    """A field whose value is a table of any keys (`dict[str, Any]`, possibly `| None`)."""
+    return any(a is dict or typing.get_origin(a) is dict for a in (annotation, *typing.get_args(annotation)))
+
+
+def option_names(model: type[pydantic.BaseModel], prefix: str = "") -> list[str]:
+    """Every leaf option of a config, dotted (`trainer.optim.lr`)."""
+    out = []
+    for name, info in model.model_fields.items():
+        table = _table_type(info.annotation)
+        out += option_names(table, f"{prefix}{name}.") if table is not None else [prefix + name]
+    return out
+
+
+def is_option(model: type[pydantic.BaseModel], dotted: str) -> bool:
+    """Whether `dotted` names an option or a table of `model`, or a key inside one of its free-form tables."""
+    node: type[pydantic.BaseModel] = model
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        info = node.model_fields.get(part)
+        if info is None:
+            return node.model_config.get("extra") == "allow"
+        last = i == len(parts) - 1
+        table = _table_type(info.annotation)
+        if table is None:
+            return last or _free_form(info.annotation)
+        if last:
+            return True
+        node = table
+    return True
+
+
+def closest_option(model: type[pydantic.BaseModel], dotted: str) -> str | None:
+    """The option of `model` whose name is closest to a mistyped `dotted`, when one is close."""
+    found = difflib.get_close_matches(dotted, option_names(model), n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
 def validate(model: type[M], layers: Layers) -> M:
     try:
         return model.model_validate(layers.values)
     except pydantic.ValidationError as e:
-        raise ConfigError(describe_validation_error(e, layers)) from None
+        raise ConfigError(describe_validation_error(e, layers, model)) from None
 
 
-def describe_validation_error(e: pydantic.ValidationError, layers: Layers) -> str:
-    """One line per problem, each naming the dotted key and where its value came from."""
+def describe_validation_error(e: pydantic.ValidationError, layers: Layers,
+                              model: type[pydantic.BaseModel] | None = None) -> str:
+    """One line per problem, each naming the dotted key and where its value came from (and, for an unknown key of
+    `model`, the option it is closest to)."""
     lines = []
     for err in e.errors():
         key = ".".join(str(p) for p in err["loc"])
         src = _source_for(key, layers.origin)
         where = f" (from {src})" if src else ""
         if err["type"] == "extra_forbidden":
-            lines.append(f"unknown key '{key}'{where}")
+            close = closest_option(model, key) if model is not None else None
+            lines.append(f"unknown key '{key}'{where}" + (f"; did you mean '{close}'?" if close else ""))
         elif err["type"] == "missing":
             lines.append(f"missing required key '{key}'")
         else:
@@ -314,7 +365,7 @@ def load(model: type[M], argv: Sequence[str] = (), base: Mapping[str, Any] | Non
     try:
         return model(**cli.values), parsed
     except pydantic.ValidationError as e:
-        raise ConfigError(describe_validation_error(e, layers)) from None
+        raise ConfigError(describe_validation_error(e, layers, model)) from None
     finally:
         FILE_LAYER.reset(token)
 

@@ -81,8 +81,33 @@ class SamplingSection(Section):
     """Sampling parameters of every rollout."""
 
     temperature: float = Field(1.0, gt=0, description="sampling temperature (the trainer divides its logits by it)")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (< 1 biases the importance ratio)")
+    top_k: int | None = Field(
+        None, ge=1, description="sample among the k likeliest tokens (None: all; set, it biases the importance ratio)"
+    )
     max_tokens: int = Field(256, ge=1, description="new tokens per model call at most")
+
+    def biased_ratio_warning(self) -> str | None:
+        """Why the trainer's importance ratio is biased under these settings, or None. The engine reports the
+        log-probs of the truncated, renormalised distribution it sampled from, while the trainer computes them over
+        the whole vocabulary: p/q is then off by the kept mass on every token."""
+        cut = []
+        if self.top_p < 1:
+            cut.append(f"top_p = {self.top_p}")
+        if self.top_k is not None:
+            cut.append(f"top_k = {self.top_k}")
+        if not cut:
+            return None
+        return (
+            f"sampling with {' and '.join(cut)}: the engine's log-probs come from the truncated, renormalised "
+            "distribution and the trainer's from the full one, so the importance ratio (and mismatch_kl) is biased; "
+            "use top_p = 1 and no top_k for unbiased RL"
+        )
+
+    def verifiers_fields(self) -> dict[str, Any]:
+        """The verifiers `SamplingConfig` fields (top_k passes through to the engine as a vLLM-style extension)."""
+        fields = {"temperature": self.temperature, "top_p": self.top_p, "max_tokens": self.max_tokens}
+        return fields | ({"top_k": self.top_k} if self.top_k is not None else {})
 
 
 class BatchSection(Section):
@@ -90,7 +115,9 @@ class BatchSection(Section):
 
     tasks_per_step: int = Field(8, ge=1, description="tasks (prompts) per step; each gives one group of rollouts")
     group_size: int = Field(8, ge=1, description="rollouts per task; advantages compare rollouts of one group")
-    seq_len: int = Field(2048, ge=8, description="tokens per packed row (longer samples are truncated, counted)")
+    seq_len: int = Field(
+        2048, ge=8, description="tokens per packed row (a longer sample is left out of the batch, counted)"
+    )
     num_ranks: int = Field(1, ge=1, description="trainer data-parallel ranks the rows are split over")
     share_prompts: bool | None = Field(
         None,

@@ -148,6 +148,10 @@ class RLConfig(ProcessConfig):
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection, description="the orchestrator")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the trainer")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on stop, wait this long before killing a process")
+    keep_weights_after_run: int = Field(
+        1, ge=0, description="weight snapshots a finished run keeps, newest first: 1 = the trained model only (a "
+        "resume needs only the checkpoints); 0 = leave weights/ as trainer.weights.keep_last left it"
+    )
 
     @model_validator(mode="after")
     def _processes_valid(self) -> RLConfig:

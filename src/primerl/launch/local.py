@@ -180,7 +180,7 @@ class Console:
 
     def _trained(self, record: dict) -> None:
         step = int(record["step"])
-        batch = self.orchestrator.pop(int(record.get("rollout_step", step - 1)), {})
+        batch = self.orchestrator.pop(step, {})
         merged = {**{k: batch.get(k) for k in ORCHESTRATOR_KEYS}, **{k: record.get(k) for k in TRAINER_KEYS}}
         line = format_line(step, merged, ORCHESTRATOR_KEYS + TRAINER_KEYS).replace(
             f"step {step}", f"step {step}/{self.max_steps}", 1)
@@ -298,6 +298,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
     print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
+    if warning := cfg.orchestrator.sampling.biased_ratio_warning():
+        print(f"rl: warning: {warning}", file=stream, flush=True)
     first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone: the checkpoint's step
     console = Console(run_dir, cfg.max_steps, first_step, stream)
     in_main_thread = threading.current_thread() is threading.main_thread()
@@ -339,8 +341,21 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
             resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
             print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
                   f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
+            _drop_old_snapshots(cfg, stream)
             return 0
         time.sleep(POLL_S)
+
+
+def _drop_old_snapshots(cfg: RLConfig, stream) -> None:
+    """After a finished run only the last weight snapshot is of use (the trained model; a resume restores from the
+    trainer checkpoint and writes its snapshot again if it is gone): all but the newest `keep_weights_after_run` go.
+    Every process has stopped, so nothing reads them any more."""
+    if cfg.keep_weights_after_run == 0:
+        return
+    if removed := weight_snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
+        print(f"rl: removed the older weight snapshots {removed}; the trained model is "
+              f"{weight_snapshots.weights_dir(cfg.output_dir, weight_snapshots.stable_steps(cfg.output_dir)[-1])}",
+              file=stream, flush=True)
 
 
 def _forget_what_is_redone(run_dir: Path, stream) -> None:
@@ -382,10 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_parent()
     from primerl.recipes import recipe_in_argv
 
-    if recipe_in_argv(argv):
+    config_files = [a for a in argv if a == "@" or a.startswith("@") or a.endswith(".toml")]
+    if recipe_in_argv(argv) or (not config_files and ("-h" in argv or "--help" in argv)):
         from primerl.recipes.run import main as run_recipe
 
-        return run_recipe(argv, prog="rl")
+        return run_recipe(argv, prog="rl")  # `rl --help` shows the options as a recipe takes them
     cfg = config_from_argv(RLConfig, argv, prog="rl", summary=(RLConfig.__doc__ or "").strip())
     return run_rl(cfg)
 

@@ -8,7 +8,8 @@ Contract:
   max_async_steps; samples older than the off-policy limit are dropped and counted. Groups whose advantages are all
   zero are dropped (configurable) and replaced by new tasks, up to `max_extra_groups` per step.
 - It watches `weights/` and loads each newer STABLE snapshot into the server through `POST /admin/update_weights`.
-- After each batch it appends a record to metrics.jsonl (source "orchestrator") and, every `ckpt.interval` batches,
+- After each batch it appends a record to metrics.jsonl (source "orchestrator", `"step": n + 1` = the training step
+  that consumes `rollouts/step_<n>`, `"rollout_step": n`) and, every `ckpt.interval` batches,
   saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
 
 Torch-free: it imports verifiers, httpx and numpy, never a model.
@@ -225,8 +226,9 @@ class PolicyTracker:
 
 @dataclass
 class Group:
-    """The scored rollouts of one task. `samples` are the bridge's samples (one or more per rollout); rewards and
-    advantages are per rollout (trace)."""
+    """The scored rollouts of one task. `samples` are the bridge's samples (one or more per rollout); `rewards` has one
+    entry per rollout (trace) that finished, failed ones included (they count in the reward metrics); `advantages` has
+    one per rollout in the baseline (`score`)."""
 
     task_id: str | None
     samples: list[Any]
@@ -239,15 +241,26 @@ class Group:
     def failed(self) -> bool:
         return all(s.error is not None for s in self.samples)
 
+    def score(self, advantage_fn) -> None:
+        """Advantages over the rollouts now in the group that did not fail. A failed rollout's reward says nothing
+        about the policy, so it neither gets an advantage nor moves the others' baseline; after stale samples are
+        dropped, the rollouts that remain are scored again among themselves."""
+        failed = {s.trace_id for s in self.samples if s.error is not None}
+        rewards: dict[str, float] = {}
+        for s in self.samples:
+            if s.trace_id not in failed:
+                rewards.setdefault(s.trace_id, float(s.reward))
+        self.advantages = dict(zip(rewards, advantage_fn(list(rewards.values())))) if rewards else {}
+
 
 def score_group(task_id: str | None, samples: Sequence[Any], advantage_fn, seconds: float) -> Group:
     """Advantages per rollout: the bridge may cut one rollout (trace) into several samples; they share its reward."""
     by_trace: dict[str, float] = {}
     for s in samples:
         by_trace.setdefault(s.trace_id, float(s.reward))
-    rewards = list(by_trace.values())
-    advantages = dict(zip(by_trace, advantage_fn(rewards)))
-    return Group(task_id, list(samples), rewards, advantages, seconds)
+    group = Group(task_id, list(samples), list(by_trace.values()), {}, seconds)
+    group.score(advantage_fn)
+    return group
 
 
 def trainable(sample: Any) -> bool:
@@ -274,6 +287,7 @@ class StepStats:
     unused_groups: list[Group] = field(default_factory=list)
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
+    samples_too_long: int = 0
     wait_for_policy_s: float = 0.0
 
 
@@ -291,6 +305,8 @@ class Orchestrator:
         self.run_dir = cfg.run_dir
         self.bound = PolicyBound(cfg.max_async_steps, cfg.off_policy_limit)
         self.advantage_fn = load_advantage_fn(cfg.advantage.path, cfg.advantage.kwargs)
+        if warning := cfg.sampling.biased_ratio_warning():
+            log.warning(warning)
         self.max_extra_groups = (
             cfg.batch.tasks_per_step if cfg.advantage.max_extra_groups is None else cfg.advantage.max_extra_groups
         )
@@ -323,9 +339,7 @@ class Orchestrator:
         await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
         env = bridge.env_from_config(cfg.env)
         self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn, self.progress.tasks_in_flight)
-        self.sampling = vf.SamplingConfig(
-            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
-        )
+        self.sampling = vf.SamplingConfig(**cfg.sampling.verifiers_fields())
         self.env = env
         log.info(
             "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
@@ -445,6 +459,7 @@ class Orchestrator:
                 self.stats.samples_dropped_off_policy += stale
                 self.progress.samples_dropped_off_policy += stale
                 group.samples = fresh
+                group.score(self.advantage_fn)
                 if not fresh:
                     self.ready.remove(group)
                     self.in_flight.discard(group.draw)
@@ -456,11 +471,16 @@ class Orchestrator:
 
     def _write(self, step: int, groups: list[Group]) -> None:
         cfg = self.cfg
-        samples = [
-            to_batch_sample(s, g.advantages[s.trace_id]) for g in groups for s in g.samples if trainable(s)
-        ]
+        scored = [(s, g.advantages[s.trace_id]) for g in groups for s in g.samples
+                  if s.trace_id in g.advantages and trainable(s)]
+        # A sample longer than a row would be cut and trained with the reward of the whole rollout: left out, counted.
+        samples = [to_batch_sample(s, a) for s, a in scored if len(s.input_ids) <= cfg.batch.seq_len]
+        self.stats.samples_too_long = len(scored) - len(samples)
         if not samples:
-            raise RuntimeError(f"step {step}: no rollout produced a trainable sample (see the errors above)")
+            raise RuntimeError(
+                f"step {step}: no rollout produced a trainable sample (see the errors above; "
+                f"{self.stats.samples_too_long} were longer than seq_len {cfg.batch.seq_len})"
+            )
         self.in_flight.difference_update(g.draw for g in groups)
         after = Progress(**{**asdict(self.progress), "next_step": step + 1, "tasks_drawn": self.tasks.drawn,
                             "tasks_in_flight": sorted(self.in_flight.union(self.tasks.redo_left))})
@@ -476,10 +496,11 @@ class Orchestrator:
         if self.progress.next_step % cfg.ckpt.interval == 0 or self.progress.next_step == cfg.max_steps:
             save_progress(self.run_dir, self.progress, cfg.ckpt.keep_last)
         record = self._step_metrics(step, groups, samples, meta, write_s)
-        self.metrics.log(step, record)
+        # Logged under the training step that consumes the batch (the trainer's record of it has the same step).
+        self.metrics.log(step + 1, {"rollout_step": step, **record})
         log.info(
-            "step %d: reward %.4f (batch %.4f), %d samples, lag %s, %.1fs",
-            step, record["reward_mean"], record["batch_reward_mean"], len(samples),
+            "step %d (rollouts/step_%d): reward %.4f (batch %.4f), %d samples, lag %s, %.1fs",
+            step + 1, step, record["reward_mean"], record["batch_reward_mean"], len(samples),
             record["policy_lag_max"], record["step_s"],
         )
         self.stats = StepStats()
@@ -509,7 +530,7 @@ class Orchestrator:
             "completion_len_max": max(completion_lens, default=None),
             "seq_len_mean": _mean([len(s.input_ids) for s in samples]),
             "truncated_frac": _mean([float(s.is_truncated) for s in rollouts]),
-            "packing_truncated": meta["num_truncated"],
+            "samples_too_long": stats.samples_too_long,
             "errors": sum(s.error is not None for s in rollouts),
             "groups_dropped_zero_advantage": stats.groups_dropped_zero_advantage,
             "samples_dropped_off_policy": stats.samples_dropped_off_policy,

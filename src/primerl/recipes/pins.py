@@ -41,8 +41,12 @@ class PinCheck:
     found: str | None
     status: Status
 
+    @property
+    def found_text(self) -> str:
+        return self.found if self.found is not None else "nothing"
+
     def line(self) -> str:
-        return f"{self.name}: pinned {self.pinned}, found {self.found if self.found is not None else 'nothing'}"
+        return f"{self.name}: pinned {self.pinned}, found {self.found_text}"
 
 
 @dataclass
@@ -198,7 +202,7 @@ def verify_pins(recipe: Recipe, progress: Callable[[str], None] | None = None) -
     here, digest = architecture(), image_digest()
     for arch, pinned in pins.images.items():
         if arch != here:
-            report.checks.append(PinCheck(f"image {arch}", pinned, None, "n/a"))
+            report.checks.append(PinCheck(f"image {arch}", pinned, f"not checked on {here}", "n/a"))
         elif digest is None:
             report.checks.append(PinCheck(f"image {arch}", pinned, "not in a container", "n/a"))
         else:
@@ -328,7 +332,7 @@ def format_checks(checks: list[PinCheck], verbose: bool = False) -> str:
     """One line per pin that is not `ok` (every pin when `verbose`): status, name, pinned and found."""
     shown = [c for c in checks if verbose or c.status != "ok"]
     width = max((len(c.name) for c in shown), default=0)
-    lines = [f"  {c.status:8s} {c.name.ljust(width)}  pinned {c.pinned}  found {c.found}" for c in shown]
+    lines = [f"  {c.status:8s} {c.name.ljust(width)}  pinned {c.pinned}  found {c.found_text}" for c in shown]
     ok = sum(c.status == "ok" for c in checks)
     lines.append(f"  {ok} of {len(checks)} pins verified")
     return "\n".join(lines)

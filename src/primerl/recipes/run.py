@@ -25,10 +25,10 @@ from typing import Any
 import pydantic
 
 from primerl.config import ConfigError, to_toml
-from primerl.config.loader import parse_args
+from primerl.config.loader import closest_option, is_option, parse_args
 from primerl.recipes.manifest import MANIFEST_FILE, build_manifest, now, write_manifest
 from primerl.recipes.pins import PinReport, find_lock_file, format_checks, stderr_progress, verify_pins
-from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, validate_stage
+from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, recipe_in_argv, validate_stage
 
 DRIFT_EXIT_CODE = 3
 CHECK_FAILED_EXIT_CODE = 1
@@ -134,6 +134,11 @@ def stage_overrides(recipe: Recipe, argv: list[str]) -> dict[str, Any]:
         stage, _, key = dotted.partition(".")
         if stage not in recipe.stages or not key:
             raise RecipeError(f"--{dotted}: overrides name a stage of the recipe ({', '.join(recipe.stages)}) then a key")
+        model = STAGE_KINDS[stage].load_model()
+        if not is_option(model, key):
+            close = closest_option(model, key)
+            hint = f"did you mean --{stage}.{close}? " if close else ""
+            raise RecipeError(f"--{dotted}: the {stage} stage has no option '{key}' ({hint}--help lists them)")
         node = out.setdefault(stage, {})
         *parents, leaf = key.split(".")
         for part in parents:
@@ -142,11 +147,42 @@ def stage_overrides(recipe: Recipe, argv: list[str]) -> dict[str, Any]:
     return out
 
 
-def _parser(prog: str) -> argparse.ArgumentParser:
+def stage_options_help(stages: list[str]) -> str:
+    """Every option of each stage as it is given on a recipe's command line (`--rl.max_steps`); the stage directory
+    key is left out (the runner sets it from --run-dir)."""
+    from primerl.config.cli import field_help
+
+    lines = []
+    for stage in stages:
+        kind = STAGE_KINDS[stage]
+        lines += ["", f"{stage} stage options (override the recipe's [{stage}] table):"]
+        lines += [line for line in field_help(kind.load_model(), f"{stage}.")
+                  if not line.startswith(f"  --{stage}.{kind.run_dir_key} ")]
+    return "\n".join(lines)
+
+
+def _help_stages(argv: list[str], prog: str) -> list[str]:
+    """The stages whose options `--help` lists: the recipe's, else the command's own (rl), else every kind."""
+    if (path := recipe_in_argv(argv)) is not None:
+        try:
+            return list(load_recipe(path).info.stages)
+        except RecipeError:
+            pass
+    return ["rl"] if prog == "rl" else list(STAGE_KINDS)
+
+
+def _parser(prog: str, help_stages: list[str] | None = None) -> argparse.ArgumentParser:
+    epilog = stage_options_help(help_stages) if help_stages else None
+    if prog == "rl" and help_stages:
+        epilog += ("\n\nWithout a recipe, rl runs a plain config: rl @ config.toml [--key value ...] takes the same "
+                   "options\nwithout the 'rl.' prefix (rl @ config.toml --max_steps 5; rl @ config.toml --help).")
     parser = argparse.ArgumentParser(
         prog=prog,
+        usage=f"{prog} recipe.toml [--run-dir DIR] [--allow-drift] [--no-check] [--smoke] [--<stage>.<key> value ...]",
         description="Run a recipe: verify its pins, run the checklist, then its stages. Stage options: "
-        "--<stage>.<key>=value.",
+        "--<stage>.<key> value (e.g. --rl.max_steps 5).",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("recipe", help="the recipe file")
     parser.add_argument("--run-dir", type=Path, help="run directory (default: runs/<recipe name>)")
@@ -160,8 +196,9 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = [a for a in argv if a != "@"]
     argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
-    args, rest = _parser(prog).parse_known_args(argv)
-    from primerl.checklist import STEPS, run_checklist, write_report
+    wants_help = "-h" in argv or "--help" in argv
+    args, rest = _parser(prog, _help_stages(argv, prog) if wants_help else None).parse_known_args(argv)
+    from primerl.checklist import CHECKLIST_LOGS, STEPS, run_checklist, write_report
     from primerl.launch.local import LaunchError, require_writable
     from primerl.launch.processes import exit_with_parent
 
@@ -186,7 +223,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
 
     statuses = None
     if not args.no_check:
-        report = run_checklist(recipe, plan.run_dir, STEPS, log_dir=plan.run_dir / "logs" / "checklist")
+        report = run_checklist(recipe, plan.run_dir, STEPS, log_dir=plan.run_dir / CHECKLIST_LOGS)
         print("\n" + report.table(), flush=True)
         write_report(report, plan.run_dir / "checklist.json")
         if report.failed:

@@ -48,9 +48,11 @@ def _log_ratio(inputs: LossInputs) -> Tensor:
     return torch.where(inputs.loss_mask, delta, torch.zeros_like(delta))
 
 
-def _mismatch_kl(ratio: Tensor, log_ratio: Tensor) -> Tensor:
-    """k3 estimate of KL(q || p) from tokens sampled by q: r - 1 - log r >= 0, unbiased."""
-    return ratio - 1.0 - log_ratio
+def _mismatch_kl(log_ratio: Tensor) -> Tensor:
+    """k3 estimate of KL(q || p) from tokens sampled by q: r - 1 - log r >= 0, unbiased. In float64: near r = 1 the
+    three terms cancel to about (log r)^2 / 2, which float32 (and bf16 even more) rounds to noise."""
+    log_ratio = log_ratio.double()
+    return torch.exp(log_ratio) - 1.0 - log_ratio
 
 
 def masked_importance_loss(
@@ -80,8 +82,8 @@ def masked_importance_loss(
         (r >= neg_ratio_low) & (r <= neg_ratio_high),
     )
     keep = mask & in_band
-    kl = _mismatch_kl(ratio, log_ratio)
-    per_token = -ratio * inputs.advantages + kl_coef * kl
+    kl = _mismatch_kl(log_ratio)
+    per_token = -ratio * inputs.advantages + kl_coef * kl.to(ratio.dtype)
     loss_sum = torch.where(keep, per_token, torch.zeros_like(per_token)).sum()
     masked = mask & ~in_band
     metrics = {
@@ -91,7 +93,7 @@ def masked_importance_loss(
         "mismatch_kl": (kl.detach() * mask).sum(),
         "importance_ratio": (r * mask).sum(),
     }
-    return LossOutput(loss_sum=loss_sum, metrics={k: v.detach().float() for k, v in metrics.items()})
+    return LossOutput(loss_sum=loss_sum, metrics={k: v.detach().double() for k, v in metrics.items()})
 
 
 def ppo_clip_loss(
@@ -108,8 +110,8 @@ def ppo_clip_loss(
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
-    kl = _mismatch_kl(ratio, log_ratio)
-    per_token = -surrogate + kl_coef * kl
+    kl = _mismatch_kl(log_ratio)
+    per_token = -surrogate + kl_coef * kl.to(surrogate.dtype)
     loss_sum = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
     clip_active = mask & (clipped.detach() < unclipped.detach())
     metrics = {
@@ -117,7 +119,7 @@ def ppo_clip_loss(
         "mismatch_kl": (kl.detach() * mask).sum(),
         "importance_ratio": (ratio.detach() * mask).sum(),
     }
-    return LossOutput(loss_sum=loss_sum, metrics={k: v.detach().float() for k, v in metrics.items()})
+    return LossOutput(loss_sum=loss_sum, metrics={k: v.detach().double() for k, v in metrics.items()})
 
 
 def load_loss(path: str, kwargs: dict | None = None) -> Callable[[LossInputs], LossOutput]:
