@@ -9,6 +9,10 @@
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
+#   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm under $VLLM_SITE, default
+#                                                # /tmp/site, installed there beforehand with its dependencies)
+#   bash benchmarks/gpu_rl_x1.sh vllm-bench OUT  # benchmarks/vllm_h200.py: P3 with vLLM beside the embedded engine,
+#                                                # then reverse-text rl with each engine (OUT/vllm_h200.json)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
 #   .whl/site.tar.gz         python benchmarks/carry_site.py --wheels .whl --out .whl/site.tar.gz
@@ -33,6 +37,7 @@ if compgen -G ".carry/trl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl" .carry/trl/*.whl
 fi
 export PYTHONPATH="$site:$PWD/src:$PWD/environments/reverse_text${PYTHONPATH:+:$PYTHONPATH}"
+vllm_site=${VLLM_SITE:-/tmp/site}  # vllm and the dependencies it adds to the site packages above
 export PRIMERL_COMMIT=$(cat .git-commit 2>/dev/null || echo unknown) PRIMERL_CACHE=/tmp/primerl-cache
 model=/tmp/primerl-smollm2-random
 peer=${TRL_SCRIPT:-.carry/peers/trl_grpo.py}  # the TRL GRPOTrainer peer harness
@@ -125,6 +130,16 @@ learn)
     fi
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
+    ;;
+vllm-tests)
+    PYTHONPATH="$vllm_site:$PYTHONPATH" python3 -c 'import vllm; print("vllm", vllm.__version__)' | tee "$out/vllm.txt"
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_tests 540 python3 -m pytest tests/gpu/test_vllm_engine.py -v -rs \
+        -p no:cacheprovider --timeout 500 --junitxml "$out/vllm_tests.xml"
+    ;;
+vllm-bench)
+    random_smollm2
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_bench 580 python3 benchmarks/vllm_h200.py --model-dir "$model" \
+        --trl-script "$peer" --steps 10 --side-timeout-s 260 --out "$out/vllm_h200.json"
     ;;
 *)
     echo "unknown stage $stage" >&2
