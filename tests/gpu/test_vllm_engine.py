@@ -22,15 +22,15 @@ import pytest
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (GPU-only extra)", allow_module_level=True)
-import torch  # noqa: E402
+import torch
 
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from engine import random_init_dir  # noqa: E402  (benchmarks/engine.py)
-from server_process import RunningServer, start_server  # noqa: E402
+from engine import random_init_dir
+from server_process import RunningServer, start_server
 
 SERVER_ARGS = ("--engine", "vllm", "--vllm.gpu_memory_utilization", "0.25", "--vllm.enforce_eager", "true",
                "--max-model-len", "4096", "--weight_transfer", "shared")
