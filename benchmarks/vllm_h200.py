@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PROMPTS_PER_STEP, GROUP, RL_NEW_TOKENS = 16, 8, 128  # (b): P1-GPU's sizes
 
 
 async def p3_side(engine_kind: str, model_dir: Path, batch: int, new_tokens: int, repeats: int) -> dict:
@@ -96,7 +97,8 @@ def rl(args: argparse.Namespace) -> dict:
         out = Path(tempfile.mkdtemp()) / f"rl_{kind}.json"
         command = [sys.executable, str(HERE / "e2e_vs_trl.py"), "--trl-script", str(args.trl_script),
                    "--skip-trl", "--engine", kind, "--model-dir", str(args.model_dir), "--bf16", "--rounds", "1",
-                   "--steps", str(args.steps), "--prompts-per-step", "16", "--group", "8", "--new-tokens", "128",
+                   "--steps", str(args.steps), "--prompts-per-step", str(PROMPTS_PER_STEP), "--group", str(GROUP),
+                   "--new-tokens", str(RL_NEW_TOKENS),
                    "--seq-len", "2048", "--max-batch-size", "128", "--weight-transfer", "shared",
                    "--work-dir", f"/tmp/vllm-h200-rl-{kind}", "--out", str(out)]
         done = subprocess.run(command, capture_output=True, text=True, check=False, timeout=args.side_timeout_s)
@@ -107,10 +109,11 @@ def rl(args: argparse.Namespace) -> dict:
         primerl = json.loads(out.read_text())["rounds"][0]["primerl"]
         kl = [v for v in primerl.get("mismatch_kl", []) if v is not None]
         runs[kind] = {**primerl, "steps": args.steps, "mismatch_kl_mean": statistics.fmean(kl) if kl else None,
-                      "weight_transfer": "shared", "rollouts_per_step": 16 * 8, "new_tokens": 128}
-    if all("rollouts_per_s" in runs[k] for k in runs):
-        runs["vllm_over_embedded_rollouts_per_s"] = round(
-            runs["vllm"]["rollouts_per_s"] / runs["hf"]["rollouts_per_s"], 2)
+                      "weight_transfer": "shared", "rollouts_per_step": PROMPTS_PER_STEP * GROUP,
+                      "new_tokens": RL_NEW_TOKENS}
+    for key in ("rollouts_per_s", "steady_rollouts_per_s"):
+        if all(runs[k].get(key) for k in ("hf", "vllm")):
+            runs[f"vllm_over_embedded_{key}"] = round(runs["vllm"][key] / runs["hf"][key], 2)
     return runs
 
 

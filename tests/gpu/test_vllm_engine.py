@@ -29,10 +29,10 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from engine import random_init_dir
+from engine import random_init_dir  # benchmarks/engine.py
 from server_process import RunningServer, start_server
 
-SERVER_ARGS = ("--engine", "vllm", "--vllm.gpu_memory_utilization", "0.25", "--vllm.enforce_eager", "true",
+SERVER_ARGS = ("--engine", "vllm", "--vllm.gpu_memory_utilization=0.25", "--vllm.enforce_eager=true",
                "--max-model-len", "4096", "--weight_transfer", "shared")
 PROMPT = list(range(100, 400))  # 300 tokens: long enough that vLLM caches full blocks of it
 TIMEOUT = httpx.Timeout(300.0)
@@ -44,11 +44,13 @@ def weights(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     w0 = random_init_dir("smollm2-135m", torch.bfloat16, tmp_path_factory.mktemp("w0"))
-    model = AutoModelForCausalLM.from_pretrained(w0, dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(w0, dtype=torch.float32)
     generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.5 * p.float().std().nan_to_num(0.02) * torch.randn(p.shape, generator=generator).to(p.dtype))
+    with torch.no_grad():  # every matrix but the embedding moves by its own spread: other greedy answers
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.add_(p.std() * torch.randn(p.shape, generator=generator))
+    model = model.to(torch.bfloat16)
     w1 = tmp_path_factory.mktemp("w1")
     model.save_pretrained(w1)
     AutoTokenizer.from_pretrained(w0).save_pretrained(w1)
@@ -100,14 +102,12 @@ def test_chat(server: RunningServer):
 def test_streaming_chat(server: RunningServer):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
-    chunks = []
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT) as response:
         assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                chunks.append(json.loads(line[len("data: "):]))
-            done = line == "data: [DONE]"
-    assert done and chunks[-1]["usage"]["completion_tokens"] == 12
+        lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length"
 
@@ -132,12 +132,10 @@ def test_update_while_a_request_runs_clears_the_prefix_cache(server: RunningServ
     before = greedy(server, PROMPT)  # caches the prompt's blocks under W0
     assert before != fresh_w1_answers["prompt"]
     body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "logprobs": True}  # a chunk per token, even one that decodes to no text
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT) as running:
         lines = running.iter_lines()
-        while not next(lines).startswith('data: {"id"'):  # the role chunk is first; wait for sampled content
-            pass
-        next(line for line in lines if '"content":"' in line and '"content":""' not in line)
+        next(line for line in lines if '"logprobs":{"content":[{' in line)  # sampled tokens are flowing
         update(server, weights[1], step=1)  # lands while the stream is running
         last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
     assert last["choices"][0]["policy_versions"] == [0, 1]
@@ -164,3 +162,20 @@ def test_shared_buffer_update_equals_a_fresh_load(server: RunningServer, weights
         assert greedy(server, PROMPT) == fresh_w1_answers["prompt"]
     finally:
         segment.close()
+
+
+def test_sleep_mode_frees_the_gpu_and_takes_an_update_while_asleep(weights, fresh_w1_answers, tmp_path):
+    """`vllm.sleep_level = 1`: /admin/pause releases the weights and the KV cache (GPU memory a colocated trainer can
+    use), a weight update while asleep is applied, /admin/resume serves the new weights."""
+    args = [*SERVER_ARGS, "--vllm.sleep_level=1"]
+    with start_server(weights[0], tmp_path / "sleepy", *args) as sleepy:
+        awake_free, _ = torch.cuda.mem_get_info()
+        paused = httpx.post(f"{sleepy.base_url}/admin/pause", headers=sleepy.admin_headers(), timeout=TIMEOUT)
+        assert paused.status_code == 200 and paused.json()["paused"]
+        asleep_free, _ = torch.cuda.mem_get_info()
+        print(f"sleep level 1 freed {(asleep_free - awake_free) / 2**30:.1f} GiB")
+        assert asleep_free - awake_free > 10 * 2**30  # the KV cache of a 0.25 share of the GPU, at least
+        update(sleepy, weights[1], step=1)
+        resumed = httpx.post(f"{sleepy.base_url}/admin/resume", headers=sleepy.admin_headers(), timeout=TIMEOUT)
+        assert resumed.status_code == 200 and not resumed.json()["paused"]
+        assert greedy(sleepy, PROMPT) == fresh_w1_answers["prompt"]

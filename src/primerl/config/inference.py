@@ -19,8 +19,10 @@ class VLLMSection(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory vLLM may claim")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model replica is sharded over")
     enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
-    sleep_level: Literal[0, 1] = Field(
+    sleep_level: int = Field(
         0,
+        ge=0,
+        le=1,
         description="1 = start vLLM with sleep mode: /admin/pause then offloads the weights to CPU memory and frees "
         "the KV cache (GPU memory for a trainer on the same GPU), /admin/resume brings them back; 0 = pause only stops "
         "scheduling",

@@ -252,19 +252,27 @@ class VLLMEngine(Engine):
         )
         first = last = None
         completion = 0
-        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id):
-            sample = output.outputs[0]
-            version = self.policy_version
-            logprobs = sampled_logprobs(sample.token_ids, sample.logprobs, completion, request_id)
-            for token_id, logprob in zip(sample.token_ids, logprobs, strict=True):
-                first = version if first is None else first
-                last = version
-                completion += 1
-                yield TokenEvent(token_id, logprob, version)
-            if output.finished:
-                reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
-                versions = (first, last) if first is not None else (version, version)
-                yield Finish(reason, versions, len(prompt_ids), completion, sample.stop_reason)
+        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
+        finished = False
+        try:
+            async for output in outputs:
+                sample = output.outputs[0]
+                version = self.policy_version
+                logprobs = sampled_logprobs(sample.token_ids, sample.logprobs, completion, request_id)
+                for token_id, logprob in zip(sample.token_ids, logprobs, strict=True):
+                    first = version if first is None else first
+                    last = version
+                    completion += 1
+                    yield TokenEvent(token_id, logprob, version)
+                if output.finished:
+                    finished = True
+                    reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+                    versions = (first, last) if first is not None else (version, version)
+                    yield Finish(reason, versions, len(prompt_ids), completion, sample.stop_reason)
+        finally:
+            await outputs.aclose()
+            if not finished and self._llm is not None:  # closed early (consumer gone) or failed: free the slot
+                await self._llm.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         if self._llm is not None:
@@ -282,7 +290,9 @@ class VLLMEngine(Engine):
     async def _apply(self, step: int, method: str, *args: Any) -> list[Any]:
         """Pause, run worker `method(*args)` on every worker, reset the prefix cache with the running requests
         preempted, move the policy version to `step`, resume (unless paused by admin). Raises when a worker fails or
-        the prefix cache was not reset (the policy version then stays; the weights may be partly new)."""
+        the prefix cache was not reset; the policy version then stays, but unlike the embedded engine, which checks
+        every name and shape first, vLLM's `load_weights` may have replaced some tensors already: load a complete
+        version next."""
         async with self._update_lock:
             if self._asleep:
                 await self._llm.wake_up(tags=["weights"])  # the KV cache stays released until resume
