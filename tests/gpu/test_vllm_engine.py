@@ -131,7 +131,7 @@ def test_token_route_logprobs_match_transformers(server: RunningServer, weights)
 def test_update_while_a_request_runs_clears_the_prefix_cache(server: RunningServer, weights, fresh_w1_answers):
     before = greedy(server, PROMPT)  # caches the prompt's blocks under W0
     assert before != fresh_w1_answers["prompt"]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000, "stream": True,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True,
             "ignore_eos": True, "logprobs": True}  # a chunk per token, even one that decodes to no text
     with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT) as running:
         lines = running.iter_lines()
