@@ -11,8 +11,10 @@
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
 #   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm under $VLLM_SITE, default
 #                                                # /tmp/site, installed there beforehand with its dependencies)
-#   bash benchmarks/gpu_rl_x1.sh vllm-bench OUT  # benchmarks/vllm_h200.py: P3 with vLLM beside the embedded engine,
-#                                                # then reverse-text rl with each engine (OUT/vllm_h200.json)
+#   bash benchmarks/gpu_rl_x1.sh vllm-p3 OUT     # benchmarks/vllm_h200.py part (a): P3 with vLLM beside the embedded
+#                                                # engine (OUT/vllm_h200.json, kept in /tmp for the next stage)
+#   bash benchmarks/gpu_rl_x1.sh vllm-rl OUT     # part (b): reverse-text rl with each engine; OUT/vllm_h200.json
+#                                                # then holds both parts (on a machine still warm from vllm-p3)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
 #   .whl/site.tar.gz         python benchmarks/carry_site.py --wheels .whl --out .whl/site.tar.gz
@@ -132,14 +134,26 @@ learn)
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
     ;;
 vllm-tests)
+    python3 -c 'import pytest, pytest_timeout' 2> /dev/null \
+        || { echo "no pytest here: remake .whl/site.tar.gz with benchmarks/carry_site.py (it packs pytest)"; exit 2; }
     PYTHONPATH="$vllm_site:$PYTHONPATH" python3 -c 'import vllm; print("vllm", vllm.__version__)' | tee "$out/vllm.txt"
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_tests 540 python3 -m pytest tests/gpu/test_vllm_engine.py -v -rs \
         -p no:cacheprovider --timeout 500 --junitxml "$out/vllm_tests.xml"
+    find /tmp/pytest-of-*/pytest-current/ -name inference.log -exec cp --parents {} "$out/" \; 2>/dev/null
     ;;
-vllm-bench)
+vllm-p3)
+    mkdir -p /tmp/primerl-vllm
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_p3 560 python3 benchmarks/vllm_h200.py --skip-rl \
+        --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
+    cp /tmp/primerl-vllm/vllm_h200.json "$out/"
+    ;;
+vllm-rl)
     random_smollm2
-    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_bench 580 python3 benchmarks/vllm_h200.py --model-dir "$model" \
-        --trl-script "$peer" --steps 10 --side-timeout-s 260 --out "$out/vllm_h200.json"
+    mkdir -p /tmp/primerl-vllm
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_rl 560 python3 benchmarks/vllm_h200.py --skip-p3 --model-dir "$model" \
+        --trl-script "$peer" --steps 10 --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
+    cp /tmp/primerl-vllm/vllm_h200.json "$out/"
+    cp -r /tmp/vllm-h200-rl-vllm/primerl-0/logs "$out/vllm_rl_logs" 2>/dev/null
     ;;
 *)
     echo "unknown stage $stage" >&2

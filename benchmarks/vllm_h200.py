@@ -9,7 +9,7 @@
     `mismatch_kl` per step (inference log-probs against the trainer's for the same tokens).
 
     python3 benchmarks/vllm_h200.py --model-dir /tmp/primerl-smollm2-random --trl-script PEER --out OUT.json
-    python3 benchmarks/vllm_h200.py --skip-rl ...        # P3 only
+    python3 benchmarks/vllm_h200.py --skip-rl ...        # P3 only (then --skip-p3 with the same --out adds the rl part)
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-p3", action="store_true")
     parser.add_argument("--side-timeout-s", type=float, default=280.0, help="limit of each engine's process")
     parser.add_argument("--p3-side", choices=["hf", "vllm"], help=argparse.SUPPRESS)  # one P3 side, in this process
-    parser.add_argument("--out", type=Path, help="also write the JSON here")
+    parser.add_argument("--out", type=Path, help="also write the JSON here (updating the parts this run measured)")
     args = parser.parse_args(argv)
     if args.p3_side:
         sys.path.insert(0, str(HERE))
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--model-dir is needed for the rl runs (or --skip-rl)")
     import torch
 
-    result: dict = {"device": torch.cuda.get_device_name(0), "commit": os.environ.get("PRIMERL_COMMIT")}
+    result: dict = json.loads(args.out.read_text()) if args.out and args.out.is_file() else {}  # parts run before
+    result.update(device=torch.cuda.get_device_name(0), commit=os.environ.get("PRIMERL_COMMIT"))
     if not args.skip_p3:
         result["p3"] = p3(args)
     if not args.skip_rl:

@@ -16,7 +16,7 @@ from primerl.inference.engines.base import TokenEvent
 from primerl.inference.engines.hf import HFEngine
 from primerl.inference.protocol import GenerateRequest, UpdateWeightsRequest
 from primerl.inference.server import InferenceServer
-from primerl.orchestrator.versions import TokenVersionLedger, segments
+from primerl.orchestrator.versions import TokenVersionLedger, completion_key, segments
 
 MAX_TOKENS = 256
 
@@ -75,8 +75,7 @@ def test_an_update_mid_completion_splits_its_tokens_between_versions(tiny_model_
     logprobs = _parse_completion_logprobs(choice, choice["token_ids"])  # what the renderer client keeps
     ledger = TokenVersionLedger()
     ledger.record(body)
-    assert ledger.lookup(choice["token_ids"], logprobs) == versions
-    assert segments(versions) == [(0, switch), (1, MAX_TOKENS - switch)]
+    assert ledger.lookup(choice["token_ids"], logprobs) == segments(versions) == [(0, switch), (1, MAX_TOKENS - switch)]
     assert ledger.lookup(choice["token_ids"], [lp + 1.0 for lp in logprobs]) is None
 
 
@@ -86,6 +85,6 @@ def test_ledger_keeps_the_newest_completions_only():
         ledger.record({"choices": [{"token_ids": [i], "token_policy_versions": [i],
                                     "logprobs": {"content": [{"token": f"token_id:{i}", "logprob": -1.0}]}}]})
     assert len(ledger) == 2
-    assert ledger.lookup([0], [-1.0]) is None and ledger.lookup([2], [-1.0]) == [2]
-    ledger.forget([((2,), (-1.0,))])
+    assert ledger.lookup([0], [-1.0]) is None and ledger.lookup([2], [-1.0]) == [(2, 1)]
+    ledger.forget([completion_key([2], [-1.0])])
     assert ledger.lookup([2], [-1.0]) is None and len(ledger) == 1

@@ -33,7 +33,7 @@ import verifiers.v1 as vf
 from renderers import RendererConfig
 from verifiers.v1.utils.loaders import harness_class
 
-from primerl.orchestrator.versions import TOKEN_VERSIONS, TokenVersionLedger, segments
+from primerl.orchestrator.versions import TOKEN_VERSIONS, Runs, TokenVersionLedger, completion_key, join
 
 
 @dataclass(frozen=True)
@@ -257,25 +257,26 @@ def samples_from_episode(
                                   policy_versions=policy_versions, **common))
         for branch in branches:
             mask = [int(sampled) for sampled in branch.sampled_mask]
-            token_versions = _token_versions(branch, ledger, used) if ledger is not None else None
-            runs = segments(token_versions) if token_versions else []
+            runs = _version_runs(branch, ledger, used) if ledger is not None else None
+            versions = [version for version, _ in runs or []]
             samples.append(
                 Sample(
                     input_ids=branch.token_ids,
                     loss_mask=mask,
                     inference_logprobs=branch.logprobs,
                     prompt_len=mask.index(1) if 1 in mask else len(mask),
-                    policy_versions=(min(token_versions), max(token_versions)) if token_versions else policy_versions,
-                    version_segments=tuple(runs),
+                    policy_versions=(min(versions), max(versions)) if versions else policy_versions,
+                    version_segments=tuple(runs or ()),
                     **common,
                 )
             )
     return samples
 
 
-def _token_versions(branch: Any, ledger: TokenVersionLedger, used: set | None) -> list[int] | None:
-    """The version of every sampled token of `branch`, in order, or None when a sampled turn is not in `ledger`."""
-    versions: list[int] = []
+def _version_runs(branch: Any, ledger: TokenVersionLedger, used: set | None) -> Runs | None:
+    """The version runs over the sampled tokens of `branch`, in order, or None when a sampled turn is not in
+    `ledger`."""
+    runs: Runs = []
     for node in branch.nodes:
         if not any(node.mask):
             continue
@@ -284,6 +285,6 @@ def _token_versions(branch: Any, ledger: TokenVersionLedger, used: set | None) -
         if found is None:
             return None
         if used is not None:
-            used.add((tuple(sampled), tuple(node.logprobs)))
-        versions.extend(found)
-    return versions
+            used.add(completion_key(sampled, node.logprobs))
+        runs.extend(found)
+    return join(runs)
