@@ -95,7 +95,7 @@ def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Nam
         "max_async_steps": 1,
         "seq_len": args.seq_len,
         "weight_transfer": args.weight_transfer,
-        "inference": {"max_batch_size": args.max_batch_size},
+        "inference": {"max_batch_size": args.max_batch_size, "engine": args.engine},
         "orchestrator": {
             "env": {"id": "reverse-text", "args": {"system_prompt": str(system_prompt_file)}},
             "batch": {"tasks_per_step": args.prompts_per_step, "group_size": args.group},
@@ -140,6 +140,7 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
         if len(trained) > 1 else None,
         "lost_rollouts": sum(r.get("errors") or 0 for r in batches),
         "rewards": [round(r["reward_mean"], 4) for r in batches],
+        "mismatch_kl": [r.get("mismatch_kl") for r in trained],
         "trainer_step_s": [round(r.get("step_s") or 0, 3) for r in trained],
         "weight_handoff_s": [r.get("weights_shared_s") or r.get("weights_broadcast_s") or r.get("weights_export_s")
                              for r in trained],
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="primerl's packed row length")
     parser.add_argument("--max-batch-size", type=int, default=32, help="primerl's inference.max_batch_size")
     parser.add_argument("--weight-transfer", default="filesystem", choices=["filesystem", "broadcast", "shared"])
+    parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="primerl's inference engine")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--skip-trl", action="store_true", help="primerl only (e.g. a learning run)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")

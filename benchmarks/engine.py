@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from primerl.inference.engines.base import Finish, SamplingParams
+from primerl.inference.engines.base import Engine, Finish, SamplingParams
 from primerl.inference.engines.hf import HFEngine
 from primerl.models import resolve_model
 
@@ -94,9 +94,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-async def engine_run(engine: HFEngine, prompts: list[list[int]], new_tokens: int, tag: str) -> float:
-    """Seconds to complete all prompts concurrently, new_tokens each."""
-    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=0)
+async def engine_run(engine: Engine, prompts: list[list[int]], new_tokens: int, tag: str, seed: int | None = 0) -> float:
+    """Seconds to complete all prompts concurrently, new_tokens each (every request with `seed`)."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=1.0, ignore_eos=True, seed=seed)
 
     async def one(i: int, prompt: list[int]) -> None:
         async for event in engine.generate(prompt, params, f"{tag}-{i}"):

@@ -9,6 +9,12 @@
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
+#   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm under $VLLM_SITE, default
+#                                                # /tmp/site, installed there beforehand with its dependencies)
+#   bash benchmarks/gpu_rl_x1.sh vllm-p3 OUT     # benchmarks/vllm_h200.py part (a): P3 with vLLM beside the embedded
+#                                                # engine (OUT/vllm_h200.json, kept in /tmp for the next stage)
+#   bash benchmarks/gpu_rl_x1.sh vllm-rl OUT     # part (b): reverse-text rl with each engine; OUT/vllm_h200.json
+#                                                # then holds both parts (on a machine still warm from vllm-p3)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
 #   .whl/site.tar.gz         python benchmarks/carry_site.py --wheels .whl --out .whl/site.tar.gz
@@ -33,6 +39,7 @@ if compgen -G ".carry/trl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl" .carry/trl/*.whl
 fi
 export PYTHONPATH="$site:$PWD/src:$PWD/environments/reverse_text${PYTHONPATH:+:$PYTHONPATH}"
+vllm_site=${VLLM_SITE:-/tmp/site}  # vllm and the dependencies it adds to the site packages above
 export PRIMERL_COMMIT=$(cat .git-commit 2>/dev/null || echo unknown) PRIMERL_CACHE=/tmp/primerl-cache
 model=/tmp/primerl-smollm2-random
 peer=${TRL_SCRIPT:-.carry/peers/trl_grpo.py}  # the TRL GRPOTrainer peer harness
@@ -125,6 +132,28 @@ learn)
     fi
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
+    ;;
+vllm-tests)
+    python3 -c 'import pytest, pytest_timeout' 2> /dev/null \
+        || { echo "no pytest here: remake .whl/site.tar.gz with benchmarks/carry_site.py (it packs pytest)"; exit 2; }
+    PYTHONPATH="$vllm_site:$PYTHONPATH" python3 -c 'import vllm; print("vllm", vllm.__version__)' | tee "$out/vllm.txt"
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_tests 540 python3 -m pytest tests/gpu/test_vllm_engine.py -v -rs \
+        -p no:cacheprovider --timeout 500 --junitxml "$out/vllm_tests.xml"
+    find /tmp/pytest-of-*/pytest-current/ -name inference.log -exec cp --parents {} "$out/" \; 2>/dev/null
+    ;;
+vllm-p3)
+    mkdir -p /tmp/primerl-vllm
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_p3 560 python3 benchmarks/vllm_h200.py --skip-rl \
+        --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
+    cp /tmp/primerl-vllm/vllm_h200.json "$out/"
+    ;;
+vllm-rl)
+    random_smollm2
+    mkdir -p /tmp/primerl-vllm
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_rl 560 python3 benchmarks/vllm_h200.py --skip-p3 --model-dir "$model" \
+        --trl-script "$peer" --steps 10 --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
+    cp /tmp/primerl-vllm/vllm_h200.json "$out/"
+    cp -r /tmp/vllm-h200-rl-vllm/primerl-0/logs "$out/vllm_rl_logs" 2>/dev/null
     ;;
 *)
     echo "unknown stage $stage" >&2

@@ -15,18 +15,20 @@ from primerl.orchestrator.rollouts import Sample
 from primerl.transport.rollouts import read_batch
 
 
-def sample(trace: str, reward: float, versions=(0, 0), tokens: int = 4, error: str | None = None) -> Sample:
+def sample(trace: str, reward: float, versions=(0, 0), tokens: int = 4, error: str | None = None,
+           segments=()) -> Sample:
     ids = list(range(1, tokens + 1))
     mask = [0, 0] + [1] * (tokens - 2) if tokens else []
     return Sample(
         env="reverse-text", task_id="t", trace_id=trace, input_ids=ids, loss_mask=mask,
         inference_logprobs=[-0.5 * m for m in mask], prompt_len=2 if tokens else 0, reward=reward, rewards={},
         policy_versions=versions, num_turns=1, is_truncated=False, stop_condition="agent_completed", error=error,
+        version_segments=segments,
     )
 
 
-def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None):
-    samples = [sample(f"{task}-{i}", r, versions) for i, r in enumerate(rewards)]
+def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None, segments=()):
+    samples = [sample(f"{task}-{i}", r, versions, segments=segments) for i, r in enumerate(rewards)]
     return score_group(task, samples, orchestrator.advantage_fn, seconds=0.1)
 
 
@@ -106,6 +108,19 @@ def test_samples_older_than_the_bound_are_dropped_and_counted(orchestrator, tmp_
     assert min(s["policy_versions"][0] for s in meta["samples"]) == 2
     (record,) = read_metrics(tmp_path, "orchestrator")
     assert record["samples_dropped_off_policy"] == 2 and record["policy_lag_max"] == 1
+
+
+def test_the_batch_carries_each_samples_version_runs(orchestrator, tmp_path):
+    o = orchestrator(max_async_steps=1)
+    o.progress.next_step = 3
+    o._collect(group("spans", [0.0, 1.0], versions=(2, 3), orchestrator=o, segments=((2, 1), (3, 1))))
+    o._collect(group("one", [1.0, 0.0], versions=(3, 3), orchestrator=o, segments=((3, 2),)))
+    assert o._take_fresh_groups() == 3
+    meta = json.loads((tmp_path / "rollouts" / "step_3" / "meta.json").read_text())
+    runs = sorted(s["version_segments"] for s in meta["samples"])
+    assert runs == [[[2, 1], [3, 1]], [[2, 1], [3, 1]], [[3, 2]], [[3, 2]]]
+    (record,) = read_metrics(tmp_path, "orchestrator")
+    assert record["samples_spanning_updates"] == 2 and record["oldest_policy_version"] == 2
 
 
 def test_failed_rollouts_score_but_never_reach_the_batch_nor_the_baseline(orchestrator, tmp_path):

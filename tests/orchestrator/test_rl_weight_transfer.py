@@ -67,11 +67,13 @@ def test_sft_refuses_the_broadcast():
         load(SFTConfig, ["--weights.transfer=broadcast", "--weights.broadcast.port=29500"])
 
 
-def test_shared_needs_one_device_and_the_embedded_engine():
+def test_shared_needs_one_device_and_one_inference_gpu():
     inference, _, trainer = resolve("--weight_transfer=shared").process_configs(CPU, BASE_URL)
     assert inference.weight_transfer == trainer.weights.transfer == "shared"
     assert resolve("--weight_transfer=shared").assign_devices(1) == DeviceAssignment([0], [0])
     with pytest.raises(ValueError, match="needs the server and trainer rank 0 on one device"):
         resolve("--weight_transfer=shared").assign_devices(2)
-    with pytest.raises(ConfigError, match="needs the embedded engine"):
-        resolve("--weight_transfer=shared", "--inference.engine=vllm")
+    inference, _, _ = resolve("--weight_transfer=shared", "--inference.engine=vllm").process_configs(CPU, BASE_URL)
+    assert (inference.engine, inference.weight_transfer) == ("vllm", "shared")
+    with pytest.raises(ConfigError, match="needs inference.vllm.tensor_parallel_size = 1"):
+        resolve("--weight_transfer=shared", "--inference.engine=vllm", "--inference.vllm.tensor_parallel_size=2")

@@ -17,6 +17,7 @@ import verifiers.v1 as vf
 from renderers import DefaultRendererConfig
 from renderers.base import load_tokenizer
 
+from primerl.orchestrator.client import install_model_client_transport
 from primerl.orchestrator.rollouts import (
     Sample,
     chat_client,
@@ -26,6 +27,7 @@ from primerl.orchestrator.rollouts import (
     samples_from_episode,
     train_client,
 )
+from primerl.orchestrator.versions import TOKEN_VERSIONS
 from primerl.ports import free_port
 
 pytestmark = pytest.mark.integration
@@ -127,6 +129,29 @@ def test_multi_turn_rollout_plays_every_batch(server: str, tiny_model_dir: Path)
     assert sum(s.num_sampled_tokens for s in samples) == completion_tokens
     last = max(samples, key=lambda s: len(s.input_ids))
     assert all(name in tokenizer.decode(last.input_ids) for name in batches[0])
+
+
+def test_samples_take_their_versions_from_the_tokens_not_the_bracket(server: str, tiny_model_dir: Path) -> None:
+    """With primerl's model clients installed, each sampled turn's per-token versions come from the server's answers:
+    a bracket that claims version 7 (the server serves 0) is only the fallback, and is not used here."""
+    install_model_client_transport()
+    env = load_env("alphabet-sort")
+    task = next(iter(env.taskset))
+
+    async def claims_seven() -> int:
+        return 7
+
+    async def go() -> list[Sample]:
+        async with env.serving():
+            return await run_group(env, task, 2, model="tiny", client=train_client(server, tiny_model_dir, RENDERER),
+                                   sampling=SAMPLING, current_version=claims_seven)
+
+    samples = asyncio.run(go())
+    assert samples and all(s.num_turns > 1 for s in samples)
+    for sample in samples:
+        assert sample.policy_versions == (0, 0)
+        assert sample.version_segments == ((0, sample.num_sampled_tokens),)
+    assert len(TOKEN_VERSIONS) == 0  # every recorded turn was used by a sample, then forgotten
 
 
 def test_tool_environment_through_the_token_route(server: str, tiny_model_dir: Path) -> None:

@@ -19,6 +19,14 @@ class VLLMSection(Section):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="fraction of GPU memory vLLM may claim")
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one model replica is sharded over")
     enforce_eager: bool = Field(False, description="disable CUDA graphs (faster start, slower decode)")
+    sleep_level: int = Field(
+        0,
+        ge=0,
+        le=1,
+        description="1 = start vLLM with sleep mode: /admin/pause then offloads the weights to CPU memory and frees "
+        "the KV cache (GPU memory for a trainer on the same GPU), /admin/resume brings them back; 0 = pause only stops "
+        "scheduling",
+    )
 
 
 class BroadcastReceiverSection(Section):
@@ -71,7 +79,10 @@ class InferenceConfig(ProcessConfig):
     max_concurrent_requests: int = Field(
         1024, ge=1, description="completion requests in flight at most; more are refused at once with 429"
     )
-    seed: int = Field(0, description="seeds the per-request seeds drawn for requests that bring none")
+    seed: int = Field(
+        0, description="seeds the engine's sampling for requests that bring no seed of their own (hf: the seed each "
+        "such request draws; vllm: the engine's global generator)"
+    )
     log_level: LogLevel = Field("info", description="debug | info | warning | error")
     vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")
     weight_transfer: Literal["filesystem", "broadcast", "shared"] = Field(

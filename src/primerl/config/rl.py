@@ -160,10 +160,14 @@ class RLConfig(ProcessConfig):
         return self
 
     @model_validator(mode="after")
-    def _shared_needs_the_embedded_engine(self) -> RLConfig:
-        if self.weight_transfer == "shared" and self.inference.engine != "hf":
-            raise ValueError("weight_transfer = 'shared' needs the embedded engine (inference.engine = 'hf'); "
-                             "use 'broadcast' or 'filesystem' with vLLM")
+    def _shared_needs_one_inference_gpu(self) -> RLConfig:
+        if (self.weight_transfer == "shared" and self.inference.engine == "vllm"
+                and self.inference.vllm.tensor_parallel_size > 1):
+            raise ValueError(
+                f"weight_transfer = 'shared' with vLLM needs inference.vllm.tensor_parallel_size = 1 (the trainer's "
+                f"buffer lives on one GPU), not {self.inference.vllm.tensor_parallel_size}; use 'broadcast' to feed "
+                "a sharded server"
+            )
         return self
 
     @model_validator(mode="after")

@@ -4,7 +4,8 @@ Requests follow the OpenAI chat-completions API and vLLM's token route (`/infere
 `renderers.client.generate` sends and parses). Like vLLM, unknown request fields are accepted and ignored (the server
 logs their names) so clients that send provider-specific extras keep working; a known field with a wrong type or an
 out-of-range value is a 400. primerl's one addition to every response is `policy_versions` on each choice: the
-sorted, distinct weight versions (trainer steps) that sampled that choice's tokens.
+sorted, distinct weight versions (trainer steps) that sampled that choice's tokens; the token route adds
+`token_policy_versions`, the version that sampled each token (a weight update can land mid-completion).
 """
 
 from __future__ import annotations
@@ -323,6 +324,7 @@ class GenerateChoice(ResponseModel):
     finish_reason: str
     logprobs: GenerateLogprobs | None = None
     policy_versions: list[int]
+    token_policy_versions: list[int] = Field(description="the policy version that sampled each of `token_ids`")
 
 
 class GenerateResponse(ResponseModel):

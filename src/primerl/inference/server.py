@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import random
 import secrets
 import socket
 import sys
@@ -88,21 +87,21 @@ class Sample:
 
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    versions: set[int] = field(default_factory=set)
+    token_versions: list[int] = field(default_factory=list)  # the policy version that sampled each token
     finish: Finish | None = None
 
     def add(self, event: Event) -> None:
         if isinstance(event, TokenEvent):
             self.token_ids.append(event.token_id)
             self.logprobs.append(event.logprob)
-            self.versions.add(event.policy_version)
+            self.token_versions.append(event.policy_version)
         else:
             self.finish = event
 
     def policy_versions(self) -> list[int]:
         """Distinct versions among the sampled tokens; the version at the finish when no token was sampled."""
-        if self.versions or self.finish is None:
-            return sorted(self.versions)
+        if self.token_versions or self.finish is None:
+            return sorted(set(self.token_versions))
         return [self.finish.policy_versions[1]]
 
 
@@ -161,10 +160,8 @@ class InferenceServer:
         self.admin_token = cfg.admin_token.get_secret_value()
         self.created = int(time.time())
         self.paused = False
-        self._seeds = random.Random(cfg.seed)
         self._admin_lock = asyncio.Lock()
         self._loaded_snapshot: tuple | None = None  # what update_weights loaded last (see _snapshot_identity)
-        self._shared_reader = None  # primerl.transport.shared.SharedReader, made at the first shared version
 
     # ---- checks shared by both completion routes
 
@@ -192,13 +189,13 @@ class InferenceServer:
         stop_token_ids: Sequence[int] = (),
     ) -> list[SamplingParams]:
         """One SamplingParams per sample. The completion budget is clamped to the room the context leaves; sample i
-        of a seeded request uses seed + i, unseeded requests draw their seeds from the server's seeded stream."""
+        of a seeded request uses seed + i; an unseeded request passes no seed, and the engine draws one (vLLM then
+        keeps its batched sampling path, which a per-request seed would leave)."""
         if req.n > self.cfg.max_n:
             raise APIError(400, f"n={req.n} is larger than this server's limit ({self.cfg.max_n})", param="n")
         room = self.engine.max_model_len - prompt_len
         if room < 1:
             raise context_length_error(prompt_len, self.engine.max_model_len, prompt_param)
-        base_seed = req.seed if req.seed is not None else self._seeds.getrandbits(62)
         params = SamplingParams(
             max_tokens=min(budget or room, room),
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -208,7 +205,9 @@ class InferenceServer:
             stop_token_ids=list(stop_token_ids),
             ignore_eos=req.ignore_eos,
         )
-        return [replace(params, seed=base_seed + i) for i in range(req.n)]
+        if req.seed is None:
+            return [params] * req.n
+        return [replace(params, seed=req.seed + i) for i in range(req.n)]
 
     def start_streams(self, prompt_ids: list[int], params: list[SamplingParams], request_id: str):
         """Submit every sample to the engine; the engine's own checks (context length, state) become 4xx/503 here,
@@ -361,6 +360,7 @@ class InferenceServer:
                     ]
                 ),
                 policy_versions=sample.policy_versions(),
+                token_policy_versions=sample.token_versions,
             )
             for index, sample in enumerate(samples)
         ]
@@ -428,10 +428,6 @@ class InferenceServer:
         """Copy version `step` from the trainer's shared buffer (see primerl.transport.shared), then confirm it."""
         from primerl.transport import shared as shared_weights
 
-        load = getattr(self.engine, "load_named_tensors", None)
-        if load is None:
-            raise APIError(400, f"the {type(self.engine).__name__} engine cannot load shared weights; use a full "
-                           "snapshot", param="path", code="weights_not_loadable")
         run_dir = path.parent.parent
         async with self._admin_lock:
             if self.engine.policy_version == step and self._loaded_snapshot == ("shared", step):
@@ -439,10 +435,9 @@ class InferenceServer:
                 return self.admin_state()
             started = time.perf_counter()
             try:
-                if self._shared_reader is None:
-                    self._shared_reader = shared_weights.SharedReader(self.engine.device)
-                tensors = self._shared_reader.tensors(path, run_dir)
-                await load(tensors, step, source=f"shared weights of {path}")
+                await self.engine.load_shared_weights(path, run_dir, step)
+            except NotImplementedError as e:
+                raise APIError(400, f"{e}; use a full snapshot", param="path", code="weights_not_loadable") from None
             except (OSError, ValueError, KeyError, shared_weights.SharedWeightsError) as e:
                 raise APIError(400, f"could not load shared weights for step {step}: {e}", param="path") from None
             shared_weights.write_applied(run_dir, step)
@@ -707,7 +702,8 @@ def build_engine(cfg: InferenceConfig) -> Engine:
         from primerl.inference.engines.vllm import VLLMEngine
 
         return VLLMEngine(
-            cfg.model, served_name, max_model_len=cfg.max_model_len, options=cfg.vllm, max_batch_size=cfg.max_batch_size
+            cfg.model, served_name, max_model_len=cfg.max_model_len, options=cfg.vllm, max_batch_size=cfg.max_batch_size,
+            seed=cfg.seed,
         )
     from primerl.inference.engines.hf import HFEngine
     from primerl.models import resolve_model
@@ -721,6 +717,7 @@ def build_engine(cfg: InferenceConfig) -> Engine:
         max_model_len=cfg.max_model_len,
         decode_steps=cfg.decode_steps,
         threads=cfg.threads,
+        seed=cfg.seed,
     )
 
 

@@ -28,6 +28,8 @@ from typing import Any, Self
 
 import httpx
 
+from primerl.orchestrator.versions import TOKEN_VERSIONS
+
 log = logging.getLogger("primerl.orchestrator")
 
 KEEPALIVE_EXPIRY_S = 4.0
@@ -199,7 +201,8 @@ def install_model_client_transport(request_timeout_s: float | None = None) -> No
     """Give the model clients that verifiers' interception servers build (one per endpoint config) primerl's pool
     settings, `MODEL_CALL_RETRIES` retries of connection errors and, with `request_timeout_s`, a bound on how long
     one model call may go without an answer (verifiers waits forever by default: a server that stops answering
-    would hang the run silently). verifiers builds them with a 5 s keep-alive expiry, no retries and a TLS context;
+    would hang the run silently); every token-route answer they receive goes to `versions.TOKEN_VERSIONS` (the
+    per-token policy versions the renderer client drops). verifiers builds them with a 5 s keep-alive expiry, no retries and a TLS context;
     for loopback/cluster HTTP servers that is the idle-connection race and a lost rollout per dropped connection.
     Checked against verifiers' interception module at call time; calling it again updates the timeout."""
     from openai import AsyncOpenAI
@@ -220,7 +223,10 @@ def install_model_client_transport(request_timeout_s: float | None = None) -> No
                 api_key=sdk.api_key,
                 default_headers=dict(sdk._custom_headers) or None,
                 max_retries=MODEL_CALL_RETRIES,
-                http_client=httpx.AsyncClient(timeout=timeout, limits=pool_limits(), verify=False),
+                http_client=httpx.AsyncClient(
+                    timeout=timeout, limits=pool_limits(), verify=False,
+                    event_hooks={"response": [TOKEN_VERSIONS.on_response]},
+                ),
             )
         return built
 

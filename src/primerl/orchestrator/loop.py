@@ -274,6 +274,7 @@ def to_batch_sample(sample: Any, advantage: float) -> batches.Sample:
         inference_logprobs=list(sample.inference_logprobs),
         advantages=advantage,
         policy_versions=tuple(sample.policy_versions),
+        version_segments=[list(run) for run in sample.version_segments],
         env=sample.env,
     )
 
@@ -538,6 +539,7 @@ class Orchestrator:
             "policy_lag_mean": _mean(lags),
             "policy_lag_max": max(lags, default=None),
             "oldest_policy_version": min((s.policy_versions[0] for s in samples), default=None),
+            "samples_spanning_updates": sum(s.policy_versions[0] != s.policy_versions[1] for s in samples),
             "step_s": step_s,
             "wait_for_policy_s": stats.wait_for_policy_s,
             "write_s": write_s,

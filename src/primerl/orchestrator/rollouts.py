@@ -6,11 +6,12 @@ client -> scoring) with each environment's in-process `ChatHarness` (see `envkit
 each trace branch carries its exact token sequence, which tokens the model sampled, and their sampling logprobs; with
 the chat client (`chat_client`) calls go through `/v1/chat/completions` and samples carry rewards but no tokens (eval).
 
-Policy versions: the server reports them per choice, but the renderer client keeps only token ids and logprobs, so
-the bridge brackets each group with the server's current version (`current_version`, e.g. `GET /health`) before its
-first rollout starts and after its last one ends: two calls per group, not per rollout. Versions only grow, so
-`[before, after]` contains every version that sampled the group's tokens; it is exact whenever no weight update
-landed while the group ran.
+Policy versions: the server reports the version that sampled each token; the renderer client keeps only token ids
+and logprobs, so the orchestrator's model clients record each answer's versions (`versions.TOKEN_VERSIONS`) and the
+bridge looks every sampled turn up there: a sample's `version_segments` say which of its sampled tokens came from
+which version, and `policy_versions` is their (oldest, newest). As a fallback for turns the ledger does not know, the
+bridge also brackets each group with the server's current version (`current_version`, e.g. `GET /health`) before
+its first rollout starts and after its last one ends; versions only grow, so `[before, after]` bounds them.
 
     env = load_env("reverse-text")
     client = train_client("http://127.0.0.1:8000", renderer_model=model_dir)
@@ -31,6 +32,8 @@ import httpx
 import verifiers.v1 as vf
 from renderers import RendererConfig
 from verifiers.v1.utils.loaders import harness_class
+
+from primerl.orchestrator.versions import TOKEN_VERSIONS, Runs, TokenVersionLedger, completion_key, join
 
 
 @dataclass(frozen=True)
@@ -60,7 +63,8 @@ class Sample:
     rewards: dict[str, float]
     """Each named reward component (unweighted scores)."""
     policy_versions: tuple[int, int]
-    """(oldest, newest) weight version that may have sampled these tokens; see the module docstring."""
+    """(oldest, newest) weight version that sampled these tokens (the group's bracket when `version_segments` is
+    empty); see the module docstring."""
     num_turns: int
     """Model turns in the rollout."""
     is_truncated: bool
@@ -71,6 +75,8 @@ class Sample:
     """The rollout's last error, when it failed."""
     metrics: dict[str, float] = field(default_factory=dict)
     """The task's and harness's metrics."""
+    version_segments: tuple[tuple[int, int], ...] = ()
+    """(policy version, number of tokens) runs over the sampled tokens in order; empty when not known."""
 
     @property
     def completion_len(self) -> int:
@@ -203,20 +209,32 @@ async def run_group(
     client: vf.TrainClientConfig | vf.EvalClientConfig,
     sampling: vf.SamplingConfig,
     current_version: Callable[[], Awaitable[int]],
+    ledger: TokenVersionLedger = TOKEN_VERSIONS,
 ) -> list[Sample]:
     """Run `n` independent rollouts of `task` concurrently and return their samples (at least one per rollout).
     Call inside `async with env.serving():` so rollouts share the env's interception server. `current_version`
-    returns the policy version the server samples with now (called once before and once after the group)."""
+    returns the policy version the server samples with now (called once before and once after the group); `ledger`
+    holds the per-token versions of the model calls (see the module docstring)."""
     ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
     before = await current_version()
     episodes = await asyncio.gather(*(env.run_episode(task, ctx) for _ in range(n)))
     versions = (before, await current_version())
-    return [sample for episode in episodes for sample in samples_from_episode(episode, versions)]
+    used: set = set()
+    samples = [sample for episode in episodes for sample in samples_from_episode(episode, versions, ledger, used)]
+    ledger.forget(used)
+    return samples
 
 
-def samples_from_episode(episode: vf.Episode, policy_versions: tuple[int, int]) -> list[Sample]:
+def samples_from_episode(
+    episode: vf.Episode,
+    policy_versions: tuple[int, int],
+    ledger: TokenVersionLedger | None = None,
+    used: set | None = None,
+) -> list[Sample]:
     """The training samples of a finished episode: one per trainable branch of each trainable trace (one empty
-    sample for a trace without branches, so a failed rollout still reports its reward and error)."""
+    sample for a trace without branches, so a failed rollout still reports its reward and error). Each sampled turn
+    is looked up in `ledger` for its per-token versions (the keys found are added to `used`); a branch with a turn
+    the ledger does not know gets the bracket `policy_versions`."""
     samples = []
     for trace in episode.traces:
         if not trace.agent.trainable:
@@ -228,7 +246,6 @@ def samples_from_episode(episode: vf.Episode, policy_versions: tuple[int, int]) 
             "reward": trace.reward,
             "rewards": {name: r.score for name, r in trace.rewards.items() if r is not None},
             "metrics": {name: m for name, m in trace.metrics.items() if m is not None},
-            "policy_versions": policy_versions,
             "num_turns": trace.num_turns,
             "is_truncated": trace.is_truncated,
             "stop_condition": trace.stop_condition,
@@ -236,16 +253,38 @@ def samples_from_episode(episode: vf.Episode, policy_versions: tuple[int, int]) 
         }
         branches = [branch for branch in trace.branches if branch.trainable]
         if not branches:
-            samples.append(Sample(input_ids=[], loss_mask=[], inference_logprobs=[], prompt_len=0, **common))
+            samples.append(Sample(input_ids=[], loss_mask=[], inference_logprobs=[], prompt_len=0,
+                                  policy_versions=policy_versions, **common))
         for branch in branches:
             mask = [int(sampled) for sampled in branch.sampled_mask]
+            runs = _version_runs(branch, ledger, used) if ledger is not None else None
+            versions = [version for version, _ in runs or []]
             samples.append(
                 Sample(
                     input_ids=branch.token_ids,
                     loss_mask=mask,
                     inference_logprobs=branch.logprobs,
                     prompt_len=mask.index(1) if 1 in mask else len(mask),
+                    policy_versions=(min(versions), max(versions)) if versions else policy_versions,
+                    version_segments=tuple(runs or ()),
                     **common,
                 )
             )
     return samples
+
+
+def _version_runs(branch: Any, ledger: TokenVersionLedger, used: set | None) -> Runs | None:
+    """The version runs over the sampled tokens of `branch`, in order, or None when a sampled turn is not in
+    `ledger`."""
+    runs: Runs = []
+    for node in branch.nodes:
+        if not any(node.mask):
+            continue
+        sampled = [token for token, is_sampled in zip(node.token_ids, node.mask, strict=True) if is_sampled]
+        found = ledger.lookup(sampled, node.logprobs)
+        if found is None:
+            return None
+        if used is not None:
+            used.add(completion_key(sampled, node.logprobs))
+        runs.extend(found)
+    return join(runs)

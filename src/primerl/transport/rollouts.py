@@ -19,6 +19,8 @@ Training on it produces policy version n + 1, published as `weights/step_<n+1>`.
 Layout of `rollouts/step_<n>/`:
     meta.json              {"format_version", "step", "seq_len", "num_ranks", "rows_per_rank", "temperature",
                             "num_samples", "num_tokens", "num_loss_tokens", "num_truncated", "samples": [...], "extra"}
+                           each of "samples": {"env", "policy_versions": [oldest, newest], "version_segments":
+                           [[version, sampled tokens], ...] in token order (empty when unknown), "num_tokens", ...}
     rank_<r>.safetensors   arrays of shape [rows_per_rank, seq_len]: input_ids, position_ids, sample_index,
                            parent_index (int32), loss_mask (uint8), inference_logprobs, advantages (float32)
 
@@ -66,6 +68,7 @@ class Sample:
     advantages: float | list[float]
     position_ids: list[int] | None = None  # default: 0, 1, 2, ...
     policy_versions: tuple[int, int] = (0, 0)  # oldest and newest policy version that sampled its tokens
+    version_segments: list[list[int]] = field(default_factory=list)  # [version, tokens] runs over the sampled tokens
     env: str = ""
 
     def __post_init__(self) -> None:
@@ -193,6 +196,7 @@ def pack_samples(
             {
                 "env": sample.env,
                 "policy_versions": list(sample.policy_versions),
+                "version_segments": sample.version_segments,
                 "num_tokens": n,
                 "num_loss_tokens": int(sum(sample.loss_mask[:n])),
                 "truncated": n < len(sample.input_ids),

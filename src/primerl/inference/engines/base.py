@@ -17,7 +17,8 @@ Semantics every engine keeps:
   (the RL setting) this equals what a trainer computes from logits / temperature. For greedy requests
   (temperature 0) it is the log-probability under softmax(logits), the untempered distribution.
 - A request with a `seed` gets the same tokens for the same prompt, parameters and weights, whatever else is in the
-  batch. A request without one draws a fresh seed.
+  batch. A request without one is sampled from the engine's own seeded stream (reproducible for one engine seed and
+  one arrival order at most; vLLM's batched sampler does not promise even that).
 - `prompt_tokens + completion_tokens <= max_model_len`; a longer prompt (or an empty one) raises `ValueError` from
   `generate` before anything is yielded.
 - `update_weights` applies new weights between two decode steps; requests in flight continue under them and their
@@ -117,6 +118,12 @@ class Engine(ABC):
         """Load safetensors weights (`model.safetensors` or sharded `*.safetensors` in directory `path`) in place,
         between two decode steps, and set `policy_version = step`. Returns once the new weights are live.
         Raises (and keeps the old weights) if a tensor is missing or has the wrong shape."""
+
+    async def load_shared_weights(self, snapshot: Path, run_dir: Path, step: int) -> None:
+        """Load version `step` from the trainer's shared buffer (primerl.transport.shared) that `snapshot`'s SHARED
+        marker points at, between two decode steps, and set `policy_version = step`. Returns once the buffer may be
+        overwritten. Raises SharedWeightsError/ValueError (old weights keep serving) when it cannot be used."""
+        raise NotImplementedError(f"the {type(self).__name__} engine cannot load shared weights")
 
     async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
         """Start joining the trainer's weight group (primerl.transport.broadcast) in the background and apply each

@@ -72,7 +72,8 @@ class HFEngine(Engine):
     forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps.
     `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
     them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
-    their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end.
+    their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `seed` seeds the
+    seeds drawn for requests that bring none (None: a fresh stream).
     """
 
     def __init__(
@@ -89,6 +90,7 @@ class HFEngine(Engine):
         cuda_graphs: bool | None = None,
         decode_steps: int = 8,
         threads: int | None = None,
+        seed: int | None = None,
     ):
         if threads is not None:
             torch.set_num_threads(threads)  # the process's intra-op pool, which the scheduler thread's steps use
@@ -108,6 +110,8 @@ class HFEngine(Engine):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.decode_steps = decode_steps
         self.policy_version = 0
+        self._seeds = random.Random(seed)
+        self._shared_reader: Any = None  # primerl.transport.shared.SharedReader, made at the first shared version
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -191,7 +195,7 @@ class HFEngine(Engine):
             prompt=list(prompt_ids),
             params=params,
             stream=asyncio.Queue(),
-            rng=random.Random(params.seed if params.seed is not None else random.getrandbits(63)),
+            rng=random.Random(params.seed if params.seed is not None else self._seeds.getrandbits(63)),
             stop_ids=frozenset(stop_ids),
             stop_window=max((len(s.encode()) for s in params.stop), default=0) + 2,
         )
@@ -219,6 +223,14 @@ class HFEngine(Engine):
     async def update_weights(self, path: str | Path, step: int) -> None:
         tensors = await asyncio.to_thread(_read_safetensors, Path(path))
         await self.load_named_tensors(tensors, step, source=str(path))
+
+    async def load_shared_weights(self, snapshot: Path, run_dir: Path, step: int) -> None:
+        from primerl.transport.shared import SharedReader
+
+        if self._shared_reader is None:
+            self._shared_reader = SharedReader(self.device)
+        tensors = self._shared_reader.tensors(snapshot, run_dir)
+        await self.load_named_tensors(tensors, step, source=f"shared weights of {snapshot}")
 
     async def load_named_tensors(self, tensors: Mapping[str, torch.Tensor], step: int, source: str) -> None:
         """Copy `tensors` (transformers names; a tied alias names its parameter) into the model between two decode

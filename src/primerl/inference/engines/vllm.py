@@ -1,28 +1,34 @@
-"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (vLLM 0.32, V1 engine), for GPUs.
+"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (V1 engine, vLLM 0.26 to 0.32), for GPUs.
 
-UNTESTED in this repository's test suite: vllm is a GPU-only extra (`pip install 'primerl[gpu]'`) and cannot run on
-the CPU machines the tests run on. It is written against vLLM's documented API: `AsyncLLM.from_engine_args`,
-`generate(TokensPrompt, SamplingParams, request_id)` with `RequestOutputKind.DELTA`, `pause_generation(mode="keep")`
-/ `resume_generation`, `collective_rpc` and `reset_prefix_cache`. vllm is imported only when this engine is built;
-without it `VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm` reports in one line
-(exit code 2).
+vllm is a GPU-only extra (`pip install 'primerl[gpu]'`): the CPU test suite cannot run this module; the GPU tests
+(tests/gpu/test_vllm_engine.py) and benchmarks/vllm_h200.py run it on a GPU machine. What differs between the vLLM
+versions lives in `vllm_compat`, which also refuses a version outside the range. vllm is imported only when this
+engine starts; without it `VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm`
+reports in one line (exit code 2).
 
 How the contract maps onto vLLM:
 - logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, so the logprob of a sampled token is taken
-  from the distribution it was sampled from (after temperature, top-k, top-p), as `base` requires.
-- weight updates: pause (requests stay queued, mode "keep"), load the safetensors files on every worker through
-  `WorkerExtension.primerl_load_weights` (the model's own `load_weights` maps checkpoint names onto vLLM's fused
-  parameters), drop the prefix cache (its KV entries came from the old weights), set the policy version, resume.
-  Tokens are stamped with the policy version current when their output reaches this process, so a token sampled
-  just before a pause may carry the new version.
+  from the distribution it was sampled from (after temperature, top-k, top-p), as `base` requires. A sampled token
+  that comes back without its logprob fails the request (RuntimeError), never a made-up 0.0.
+- seeds: a request without a seed passes none, so vLLM keeps its batched sampling path (a per-request seed moves the
+  whole batch onto per-request generators); the engine-wide `seed` seeds vLLM's global generator.
+- weight updates (a snapshot directory, the trainer's shared buffer, or a broadcast): pause with mode "keep"
+  (requests in flight stay queued with their KV blocks), load the tensors on every worker through `WorkerExtension`
+  (the model's own `load_weights` maps checkpoint names onto vLLM's fused parameters), then reset the prefix cache
+  with `reset_running_requests=True`: vLLM preempts the requests in flight (they recompute their KV under the new
+  weights when they resume) so that no cached block computed by the old weights is reused; a reset vLLM reports as
+  failed fails the update. Then the policy version moves and generation resumes.
+- policy versions: each token is stamped with the version live when its output reaches this process. Outputs of the
+  old weights are all sent before the pause completes and arrive while the new weights load, so the stamp changes
+  at the update's boundary (a token held back longer than the load would carry the new version).
+- sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU): `pause` puts vLLM to sleep (weights offloaded
+  to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the weights first.
 - weight broadcast (`start_weight_receiver`, docs/weights.md): every worker is one receiver rank of the trainer's
   weight group (`primerl_broadcast_join`, joining in a background thread of the worker). This process follows the
-  trainer's announcements through the store (`TransferFeed`); for each it pauses, has every worker receive the
-  buckets straight into its model (`primerl_broadcast_receive`: `load_weights` over the received tensors, bucket by
-  bucket, no second copy of the model), drops the prefix cache, sets the policy version, confirms to the trainer
-  for all its ranks and resumes. A worker that fails mid-transfer leaves the model partly updated; the trainer
-  then falls back to writing that version in full, which the orchestrator loads over it.
-  UNTESTED like the rest of this module (no vLLM, no GPU where the tests run).
+  trainer's announcements through the store (`TransferFeed`); for each it applies the transfer as above with every
+  worker receiving the buckets straight into its model (`primerl_broadcast_receive`), confirms to the trainer for
+  all its ranks and resumes. A worker that fails mid-transfer leaves the model partly updated; the trainer then
+  falls back to writing that version in full, which the orchestrator loads over it.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from primerl.inference.engines import vllm_compat
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
 
 if TYPE_CHECKING:
@@ -50,8 +57,10 @@ class EngineUnavailable(RuntimeError):
 
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`), called through `collective_rpc` on every worker:
-    `primerl_load_weights` loads a weights directory into the running model; `primerl_broadcast_join` and
-    `primerl_broadcast_receive` make the worker one receiver rank of the trainer's weight group."""
+    `primerl_load_weights` loads a weights directory into the running model; `primerl_load_shared` loads the
+    trainer's shared CUDA buffer (mapped once per segment through its IPC handle; `load_weights` copies from views of
+    it, nothing goes through the disk); `primerl_broadcast_join` and `primerl_broadcast_receive` make the worker one
+    receiver rank of the trainer's weight group."""
 
     def primerl_load_weights(self, path: str) -> int:
         from safetensors.torch import safe_open
@@ -68,6 +77,21 @@ class WorkerExtension:
 
         loaded = self.model_runner.get_model().load_weights(weights=tensors())  # type: ignore[attr-defined]
         return len(loaded) if loaded is not None else 0
+
+    def primerl_load_shared(self, snapshot: str, run_dir: str) -> int:
+        """Load the version `snapshot` (a SHARED marker directory) points at from the trainer's buffer on this GPU;
+        returns once the copies are done, so the trainer may overwrite the buffer."""
+        import torch
+
+        from primerl.transport.shared import SharedReader
+
+        reader = getattr(self, "_primerl_shared_reader", None)
+        if reader is None:
+            reader = self._primerl_shared_reader = SharedReader(torch.device("cuda", torch.cuda.current_device()))
+        views = reader.tensors(snapshot, run_dir)
+        loaded = self.model_runner.get_model().load_weights(weights=iter(views.items()))  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        return len(loaded) if loaded is not None else len(views)
 
     def primerl_broadcast_join(self, host: str, port: int, init_timeout_s: float, timeout_s: float) -> None:
         """Start joining the weight group as a receiver on this worker's GPU; returns at once (the join waits for
@@ -129,22 +153,30 @@ class VLLMEngine(Engine):
         max_model_len: int | None,
         max_batch_size: int,
         options: VLLMSection,
+        seed: int = 0,
     ) -> None:
         if importlib.util.find_spec("vllm") is None:
             raise EngineUnavailable(
                 "engine 'vllm' needs the vllm package, which is not installed here "
                 "(install the GPU extra: pip install 'primerl[gpu]'), or use --engine hf"
             )
+        try:
+            self.vllm_version = vllm_compat.check_installed()
+        except vllm_compat.UnsupportedVLLM as e:
+            raise EngineUnavailable(str(e)) from None
         self.model_config = model
         self.model_name = served_model_name
         self.requested_max_model_len = max_model_len
         self.max_batch_size = max_batch_size
         self.options = options
+        self.seed = seed
         self.policy_version = 0
         self.device = "cuda"
         self.dtype = model.dtype
         self._llm: Any = None
         self._paused_by_admin = False  # an admin pause outlives a weight update
+        self._asleep = False  # paused by admin with sleep mode: weights and KV cache released
+        self._update_lock = asyncio.Lock()  # one pause-load-reset-resume at a time
         self._receiver_task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -165,6 +197,8 @@ class VLLMEngine(Engine):
             gpu_memory_utilization=self.options.gpu_memory_utilization,
             tensor_parallel_size=self.options.tensor_parallel_size,
             enforce_eager=self.options.enforce_eager,
+            enable_sleep_mode=self.options.sleep_level > 0,
+            seed=self.seed,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.{WorkerExtension.__qualname__}",
         )
@@ -207,44 +241,77 @@ class VLLMEngine(Engine):
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
-            top_k=params.top_k if params.top_k > 0 else -1,
+            top_k=max(0, params.top_k),  # 0: the whole vocabulary
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
             stop=list(params.stop) or None,
             stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=params.ignore_eos,
-            seed=params.seed,
+            seed=params.seed,  # None unless the client asked: keeps vLLM's batched sampling path
             logprobs=0,  # the sampled token's logprob only
             output_kind=RequestOutputKind.DELTA,
         )
         first = last = None
         completion = 0
-        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id):
-            sample = output.outputs[0]
-            version = self.policy_version
-            for index, token_id in enumerate(sample.token_ids):
-                logprob = sample.logprobs[index][token_id].logprob if sample.logprobs else 0.0
-                first = version if first is None else first
-                last = version
-                completion += 1
-                yield TokenEvent(token_id, logprob, version)
-            if output.finished:
-                reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
-                versions = (first, last) if first is not None else (version, version)
-                yield Finish(reason, versions, len(prompt_ids), completion, sample.stop_reason)
+        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
+        finished = False
+        try:
+            async for output in outputs:
+                sample = output.outputs[0]
+                version = self.policy_version
+                logprobs = sampled_logprobs(sample.token_ids, sample.logprobs, completion, request_id)
+                for token_id, logprob in zip(sample.token_ids, logprobs, strict=True):
+                    first = version if first is None else first
+                    last = version
+                    completion += 1
+                    yield TokenEvent(token_id, logprob, version)
+                if output.finished:
+                    finished = True
+                    reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
+                    versions = (first, last) if first is not None else (version, version)
+                    yield Finish(reason, versions, len(prompt_ids), completion, sample.stop_reason)
+        finally:
+            await outputs.aclose()
+            if not finished and self._llm is not None:  # closed early (consumer gone) or failed: free the slot
+                await self._llm.abort(request_id)
 
     def abort(self, request_id: str) -> None:
         if self._llm is not None:
             asyncio.ensure_future(self._llm.abort(request_id))
 
     async def update_weights(self, path: str | Path, step: int) -> None:
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
-        try:
-            await self._llm.collective_rpc("primerl_load_weights", args=(str(path),))
-            await self._llm.reset_prefix_cache()
-            self.policy_version = step
-        finally:
-            if not self._paused_by_admin:
-                await self._llm.resume_generation()
+        path = Path(path)
+        if not (sorted(path.glob("*.safetensors")) if path.is_dir() else path.is_file()):
+            raise FileNotFoundError(f"no safetensors weights at {path}")
+        await self._apply(step, "primerl_load_weights", str(path))
+
+    async def load_shared_weights(self, snapshot: Path, run_dir: Path, step: int) -> None:
+        await self._apply(step, "primerl_load_shared", str(snapshot), str(run_dir))
+
+    async def _apply(self, step: int, method: str, *args: Any) -> list[Any]:
+        """Pause, run worker `method(*args)` on every worker, reset the prefix cache with the running requests
+        preempted, move the policy version to `step`, resume (unless paused by admin). Raises when a worker fails or
+        the prefix cache was not reset; the policy version then stays, but unlike the embedded engine, which checks
+        every name and shape first, vLLM's `load_weights` may have replaced some tensors already: load a complete
+        version next."""
+        async with self._update_lock:
+            if self._asleep:
+                await self._llm.wake_up(tags=["weights"])  # the KV cache stays released until resume
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                results = await self._llm.collective_rpc(method, args=args)
+                await self._reset_prefix_cache()
+                self.policy_version = step
+            finally:
+                if not self._paused_by_admin:
+                    await self._llm.resume_generation()
+            return results
+
+    async def _reset_prefix_cache(self) -> None:
+        """Drop every cached KV block computed by the old weights, preempting the requests in flight (they recompute
+        their KV under the new weights); vLLM returns False when it could not."""
+        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM did not reset its prefix cache after the weight update (KV blocks held by a "
+                               "KV connector?); cached prefixes of the old weights would be reused")
 
     async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
         from primerl.transport.broadcast import TransferFeed
@@ -281,21 +348,24 @@ class VLLMEngine(Engine):
 
         started = time.perf_counter()
         results: list[dict[str, Any]] = []
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
-        try:
-            results = await self._llm.collective_rpc("primerl_broadcast_receive", args=(transfer.to_dict(),))
-            errors = [r["error"] for r in results if r["error"]]
-            if not errors:
-                await self._llm.reset_prefix_cache()
-                self.policy_version = transfer.step
-        except Exception as e:  # noqa: BLE001 - a worker died: no confirmation, the trainer times out and falls back
-            errors = [f"collective_rpc failed: {e}"]
-        finally:
-            if not self._paused_by_admin:
-                await self._llm.resume_generation()
+        async with self._update_lock:
+            if self._asleep:
+                await self._llm.wake_up(tags=["weights"])
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+            try:
+                results = await self._llm.collective_rpc("primerl_broadcast_receive", args=(transfer.to_dict(),))
+                errors = [r["error"] for r in results if r["error"]]
+                if not errors:
+                    await self._reset_prefix_cache()
+                    self.policy_version = transfer.step
+            except Exception as e:  # noqa: BLE001 - no confirmation: the trainer times out and falls back
+                errors = [f"{type(e).__name__}: {e}"]
+            finally:
+                if not self._paused_by_admin:
+                    await self._llm.resume_generation()
         for result in results:
             if result["rank"] is not None:
-                feed.answer(transfer, "done", result["rank"], result["error"])
+                feed.answer(transfer, "done", result["rank"], errors[0] if errors else None)
         if errors:
             log.warning("weights step %d: broadcast not applied: %s", transfer.step, "; ".join(errors))
             return
@@ -305,12 +375,41 @@ class VLLMEngine(Engine):
                  time.perf_counter() - started)
 
     async def pause(self) -> None:
-        self._paused_by_admin = True
-        await self._llm.pause_generation(mode="keep", clear_cache=False)
+        async with self._update_lock:
+            self._paused_by_admin = True
+            if self.options.sleep_level and not self._asleep:
+                await self._llm.sleep(level=self.options.sleep_level, mode="keep")
+                self._asleep = True
+            else:
+                await self._llm.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
-        self._paused_by_admin = False
-        await self._llm.resume_generation()
+        async with self._update_lock:
+            self._paused_by_admin = False
+            if self._asleep:
+                if not vllm_compat.fully_awake(await self._llm.wake_up()):
+                    raise RuntimeError("vLLM did not wake up fully from sleep mode")
+                self._asleep = False
+            await self._llm.resume_generation()
+
+
+def sampled_logprobs(token_ids: Any, logprobs: Any, offset: int, request_id: str) -> list[float]:
+    """The logprob of each sampled token of one vLLM output delta (`CompletionOutput.token_ids` / `.logprobs`, one
+    {token id: Logprob} mapping per position, the sampled token always among them with `logprobs=0`). A missing one
+    is an error: the trainer would take a made-up number for the sampling policy's."""
+    if len(token_ids) == 0:
+        return []
+    if logprobs is None or len(logprobs) != len(token_ids):
+        raise RuntimeError(f"vLLM returned {0 if logprobs is None else len(logprobs)} logprobs for {len(token_ids)} "
+                           f"sampled tokens of request {request_id} (from token {offset})")
+    values = []
+    for index, (token_id, position) in enumerate(zip(token_ids, logprobs, strict=True)):
+        entry = position.get(token_id) if position is not None else None
+        if entry is None:
+            raise RuntimeError(f"vLLM returned no logprob for sampled token {token_id} at completion position "
+                               f"{offset + index} of request {request_id}")
+        values.append(float(entry.logprob))
+    return values
 
 
 def _eos_token_ids(hf_config: Any, path: Path, tokenizer: Any) -> frozenset[int]:
