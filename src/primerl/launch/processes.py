@@ -77,10 +77,14 @@ NON_CONFIG_VARS = ("PRIMERL_CACHE", "PRIMERL_MODEL_DIRS", "PRIMERL_IMAGE_ID")
 def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars: Iterable[str] = ()) -> dict[str, str]:
     """This process's environment without PRIMERL_* config variables (children get complete config files instead, so
     the variables already took effect here) except `keep_primerl_vars` and `NON_CONFIG_VARS`, plus `extra`; NVLink
-    multicast off unless this environment says otherwise (`primerl.multicast`)."""
+    multicast off unless this environment says otherwise (`primerl.multicast`); OpenMP threads that wait sleep rather
+    than spin unless OMP_WAIT_POLICY says otherwise (on a CPU shared with other work, torch's spinning threads wait
+    at every barrier for a thread the scheduler descheduled: a 2-thread matmul loop ran 3x slower than with 1 thread
+    at load 10, and as fast as 1 thread once passive; benchmarks/NOTES.md)."""
     keep = {*keep_primerl_vars, *NON_CONFIG_VARS}
     env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_") or k in keep}
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     multicast_off(env)
     env.update(extra or {})
     return env
