@@ -101,6 +101,13 @@ def test_children_get_no_primerl_variables_except_those_kept(monkeypatch):
     assert env["CUDA_VISIBLE_DEVICES"] == "" and env["PATH"] == os.environ["PATH"]
 
 
+def test_children_wait_passively_in_openmp_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert child_environment()["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert child_environment()["OMP_WAIT_POLICY"] == "ACTIVE"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The process plan of `rl` for a device layout: commands and environments, nothing started
 
