@@ -175,7 +175,7 @@ class VLLMEngine(Engine):
         self.dtype = model.dtype
         self._llm: Any = None
         self._paused_by_admin = False  # an admin pause outlives a weight update
-        self._asleep = False  # paused by admin with sleep mode: weights and KV cache released
+        self._sleeping: set[str] = set()  # sleep-mode tags released by an admin pause: "weights", "kv_cache"
         self._update_lock = asyncio.Lock()  # one pause-load-reset-resume at a time
         self._receiver_task: asyncio.Task | None = None
 
@@ -294,8 +294,7 @@ class VLLMEngine(Engine):
         every name and shape first, vLLM's `load_weights` may have replaced some tensors already: load a complete
         version next."""
         async with self._update_lock:
-            if self._asleep:
-                await self._llm.wake_up(tags=["weights"])  # the KV cache stays released until resume
+            await self._wake(["weights"])  # the KV cache stays released until resume
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 results = await self._llm.collective_rpc(method, args=args)
@@ -349,8 +348,7 @@ class VLLMEngine(Engine):
         started = time.perf_counter()
         results: list[dict[str, Any]] = []
         async with self._update_lock:
-            if self._asleep:
-                await self._llm.wake_up(tags=["weights"])
+            await self._wake(["weights"])
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
                 results = await self._llm.collective_rpc("primerl_broadcast_receive", args=(transfer.to_dict(),))
@@ -377,20 +375,28 @@ class VLLMEngine(Engine):
     async def pause(self) -> None:
         async with self._update_lock:
             self._paused_by_admin = True
-            if self.options.sleep_level and not self._asleep:
+            if self.options.sleep_level and not self._sleeping:
                 await self._llm.sleep(level=self.options.sleep_level, mode="keep")
-                self._asleep = True
+                self._sleeping = {"weights", "kv_cache"}
             else:
                 await self._llm.pause_generation(mode="keep", clear_cache=False)
 
     async def resume(self) -> None:
         async with self._update_lock:
             self._paused_by_admin = False
-            if self._asleep:
-                if not vllm_compat.fully_awake(await self._llm.wake_up()):
-                    raise RuntimeError("vLLM did not wake up fully from sleep mode")
-                self._asleep = False
+            if self._sleeping and not vllm_compat.fully_awake(await self._wake(sorted(self._sleeping))):
+                raise RuntimeError("vLLM did not wake up fully from sleep mode")
             await self._llm.resume_generation()
+
+    async def _wake(self, tags: list[str]) -> Any:
+        """Wake the sleeping parts among `tags`, each once: vLLM's allocator fails (CUDA invalid argument) when asked
+        to map memory that is already awake, as a plain wake_up() after an update woke the weights did."""
+        waking = [tag for tag in tags if tag in self._sleeping]
+        if not waking:
+            return None
+        answer = await self._llm.wake_up(tags=waking)
+        self._sleeping.difference_update(waking)
+        return answer
 
 
 def sampled_logprobs(token_ids: Any, logprobs: Any, offset: int, request_id: str) -> list[float]:
