@@ -29,6 +29,8 @@ import httpx
 import tomli_w
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from load import memory_mb
+from server_process import start_server
 
 # a server that answers fast: short context (completions end quickly), small n; one intra-op thread (the tiny model
 # gains nothing from more, and on a busy machine each extra thread makes every matmul wait for a CPU)
@@ -71,7 +73,8 @@ class Tally:
 
 class Sender:
     """Sends requests from `concurrency` threads over kept-alive connections to one server while the caller (hypothesis)
-    draws the next ones; at most twice `concurrency` wait. `close()` waits for all and raises what a sender raised."""
+    draws the next ones; at most twice `concurrency` wait. Leaving the `with` block waits for all of them and raises
+    what a sending thread raised."""
 
     def __init__(self, base_url: str, concurrency: int = CONCURRENCY) -> None:
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
@@ -132,9 +135,6 @@ class ServerFuzz:
 def fuzz_server(model_dir: Path, workdir: Path, requests: int) -> ServerFuzz:
     """`requests` fuzzed requests to one real server process on the tiny model: half from schemathesis, the rest
     hypothesis bodies; then whether /health still answers and what the server logged."""
-    from load import memory_mb
-    from server_process import start_server
-
     tally = Tally()
     with start_server(model_dir, workdir, *SERVER_ARGS, env=SERVER_ENV) as server:
         rss_before = memory_mb(server.process.pid, "VmRSS")

@@ -3,7 +3,7 @@ a storm of streams completes or is refused with 429, and no config or recipe mak
 one-line error.
 
 The default test run sends a light budget; `.ci/run` runs this group again with the full one
-(`PRIMERL_FUZZ_REQUESTS=10000 PRIMERL_FUZZ_LOADER_INPUTS=2000 PRIMERL_LOAD_STREAMS=256 uv run pytest -m fuzz`);
+(`PRIMERL_FUZZ_REQUESTS=10000 PRIMERL_FUZZ_LOADER_INPUTS=1000 PRIMERL_LOAD_STREAMS=256 uv run pytest -m fuzz`);
 `benchmarks/fuzz.py` and `benchmarks/load_cpu.py` record the figures."""
 
 from __future__ import annotations
