@@ -23,7 +23,6 @@ sys.path[:0] = [str(REPO / "tests" / "fuzz"), str(REPO / "tests" / "inference")]
 from fuzzing import (
     CONCURRENCY,
     SERVER_ARGS,
-    SERVER_ENV,
     LoaderTally,
     fuzz_config_loader,
     fuzz_recipe_loader,
@@ -59,7 +58,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "load_average_before": round(load_before, 1),
         "load_average_after": round(os.getloadavg()[0], 1),
-        "server": {"model": "tiny", "args": list(SERVER_ARGS), "env": SERVER_ENV},
+        "server": {"model": "tiny", "args": list(SERVER_ARGS)},
         "http": {
             **fuzzed.tally.as_dict(),
             "concurrency": CONCURRENCY,

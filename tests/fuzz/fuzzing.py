@@ -34,8 +34,7 @@ from server_process import start_server
 
 # a server that answers fast: short context (completions end quickly), small n; one intra-op thread (the tiny model
 # gains nothing from more, and on a busy machine each extra thread makes every matmul wait for a CPU)
-SERVER_ARGS = ("--max-model-len", "128", "--max-n", "4", "--max-batch-size", "64")
-SERVER_ENV = {"OMP_NUM_THREADS": "1"}
+SERVER_ARGS = ("--max-model-len", "128", "--max-n", "4", "--max-batch-size", "64", "--threads", "1")
 MODEL = "tiny"
 TRIVIAL_EXAMPLES = 5  # requests for an operation without a body: hypothesis soon runs out of distinct ones
 CONCURRENCY = 8  # requests in flight while hypothesis draws the next ones
@@ -136,7 +135,7 @@ def fuzz_server(model_dir: Path, workdir: Path, requests: int) -> ServerFuzz:
     """`requests` fuzzed requests to one real server process on the tiny model: half from schemathesis, the rest
     hypothesis bodies; then whether /health still answers and what the server logged."""
     tally = Tally()
-    with start_server(model_dir, workdir, *SERVER_ARGS, env=SERVER_ENV) as server:
+    with start_server(model_dir, workdir, *SERVER_ARGS) as server:
         rss_before = memory_mb(server.process.pid, "VmRSS")
         started = time.monotonic()
         fuzz_openapi(server.base_url, server.admin_token, requests // 2, tally)

@@ -60,20 +60,14 @@ def _wait_until_serving(process: subprocess.Popen, log_path: Path) -> str:
 
 @contextmanager
 def start_server(
-    model: Path,
-    workdir: Path,
-    *args: str,
-    admin_token: str | None = None,
-    served_name: str = "tiny",
-    env: dict[str, str] | None = None,
+    model: Path, workdir: Path, *args: str, admin_token: str | None = None, served_name: str = "tiny"
 ) -> Iterator[RunningServer]:
-    """`primerl inference` on 127.0.0.1 and a free port, with `env` added to the environment. Without `admin_token`
-    the server generates one and writes it to a token file, which is read back. Stopped with SIGTERM; the test fails
-    if it does not shut down cleanly."""
+    """`primerl inference` on 127.0.0.1 and a free port. Without `admin_token` the server generates one and writes
+    it to a token file, which is read back. Stopped with SIGTERM; the test fails if it does not shut down cleanly."""
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / "inference.log"
     token_file = workdir / "admin_token"
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_")}, **(env or {})}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PRIMERL_")}
     if admin_token is not None:
         env["PRIMERL_ADMIN_TOKEN"] = admin_token
     command = [
