@@ -26,18 +26,21 @@ pytestmark = [pytest.mark.drills, pytest.mark.integration,
 DRILLS_VAR = "PRIMERL_DRILLS"
 
 
-@pytest.fixture(autouse=True)
-def _opt_in():
+def _skip_unless_opted_in() -> None:
     if os.environ.get(DRILLS_VAR) != "1":
         pytest.skip(f"the drills are opt-in ({DRILLS_VAR}=1 pytest -m drills; .ci/run runs them as their own group): "
                     "each runs the tiny RL run twice, about a minute each on 2 idle cores")
 
 
+@pytest.fixture(autouse=True)
+def _opt_in():
+    _skip_unless_opted_in()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> Path:
-    """A run of the drills' config and seed, never killed."""
-    if os.environ.get(DRILLS_VAR) != "1":
-        pytest.skip(f"opt-in ({DRILLS_VAR}=1)")
+    """A run of the drills' config and seed, never killed (the module's drills compare their task order with it)."""
+    _skip_unless_opted_in()
     run = tmp_path_factory.mktemp("uninterrupted") / "run"
     finished = run_uninterrupted(run)
     assert finished.returncode == 0, finished.stdout + finished.stderr
