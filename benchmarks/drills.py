@@ -4,7 +4,8 @@ checkpointing, mid-run), then `rl --resume` to the end; prints the table as JSON
     uv run python benchmarks/drills.py --out benchmarks/results/drills.json
 
 Columns: fault, point, steps lost (trained steps missing at the end), steps redone (trained before the kill, after
-the checkpoint the resume started from), duplicate metrics records, outcome. The drills are the `drills` tests'
+the checkpoint the resume started from), duplicate metrics records, outcome, and whether each step trained on the same
+tasks as in an uninterrupted run of the same config and seed (task_order_equal). The drills are the `drills` tests'
 (tests/integration/drills.py).
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from drills import DRILLS, MAX_STEPS, run_drill
+from drills import DRILLS, MAX_STEPS, run_drill, run_uninterrupted
 
 
 def main() -> None:
@@ -29,13 +30,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    for drill in DRILLS:
-        started = time.monotonic()
-        with tempfile.TemporaryDirectory() as workdir:
-            row = run_drill(drill, Path(workdir) / "run")
-        row["seconds"] = round(time.monotonic() - started, 1)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as reference:
+        uninterrupted = Path(reference) / "run"
+        finished = run_uninterrupted(uninterrupted)
+        if finished.returncode != 0:
+            raise SystemExit(f"the uninterrupted run failed:\n{finished.stdout}{finished.stderr}")
+        for drill in DRILLS:
+            started = time.monotonic()
+            with tempfile.TemporaryDirectory() as workdir:
+                row = run_drill(drill, Path(workdir) / "run", uninterrupted)
+            row["seconds"] = round(time.monotonic() - started, 1)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
     result = {"benchmark": "drills", "machine": platform.machine(), "config": "configs/debug/tiny-rl.toml",
               "max_steps": MAX_STEPS, "checkpoint_interval": 1, "drills": rows}
     text = json.dumps(result, indent=1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import tempfile
@@ -20,23 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "fuzz"), str(REPO / "tests" / "inference")]
 
 from fuzzing import (
+    CONCURRENCY,
     SERVER_ARGS,
     LoaderTally,
-    Tally,
-    fuzz_bodies,
     fuzz_config_loader,
-    fuzz_openapi,
     fuzz_recipe_loader,
-    health_after,
+    fuzz_server,
 )
-from server_process import start_server
-
-
-def _rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def main() -> None:
@@ -48,18 +39,9 @@ def main() -> None:
 
     from primerl.models import resolve_model
 
-    tally = Tally()
-    with tempfile.TemporaryDirectory() as workdir, start_server(resolve_model("tiny"), Path(workdir),
-                                                                *SERVER_ARGS) as server:
-        rss_before = _rss_mb(server.process.pid)
-        started = time.monotonic()
-        fuzz_openapi(server.base_url, server.admin_token, args.requests // 2, tally)
-        openapi_requests = tally.requests
-        fuzz_bodies(server.base_url, server.admin_token, args.requests - tally.requests, tally)
-        http_s = time.monotonic() - started
-        healthy = health_after(server.base_url)
-        rss_after = _rss_mb(server.process.pid)
-        tracebacks_in_log = server.log().count("Traceback")
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as workdir:
+        fuzzed = fuzz_server(resolve_model("tiny"), Path(workdir), args.requests)
 
     loaders = {}
     for name, run in (("config", lambda t: fuzz_config_loader(args.loader_inputs, t)),
@@ -71,17 +53,22 @@ def main() -> None:
 
     result = {
         "benchmark": "fuzz",
+        "command": " ".join(["uv run python benchmarks/fuzz.py", *sys.argv[1:]]),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+        "cpus": os.cpu_count(),
+        "load_average_before": round(load_before, 1),
+        "load_average_after": round(os.getloadavg()[0], 1),
         "server": {"model": "tiny", "args": list(SERVER_ARGS)},
         "http": {
-            **tally.as_dict(),
-            "schemathesis_requests": openapi_requests,
-            "hypothesis_body_requests": tally.requests - openapi_requests,
-            "seconds": round(http_s, 1),
-            "health_after": healthy,
-            "tracebacks_in_server_log": tracebacks_in_log,
-            "server_rss_mb_before": round(rss_before, 1),
-            "server_rss_mb_after": round(rss_after, 1),
+            **fuzzed.tally.as_dict(),
+            "concurrency": CONCURRENCY,
+            "schemathesis_requests": fuzzed.schemathesis_requests,
+            "hypothesis_body_requests": fuzzed.tally.requests - fuzzed.schemathesis_requests,
+            "seconds": round(fuzzed.seconds, 1),
+            "health_after": fuzzed.health_after,
+            "tracebacks_in_server_log": fuzzed.tracebacks_in_server_log,
+            "server_rss_mb_before": round(fuzzed.server_rss_mb_before, 1),
+            "server_rss_mb_after": round(fuzzed.server_rss_mb_after, 1),
         },
         "loaders": loaders,
     }

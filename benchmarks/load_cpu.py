@@ -23,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "fuzz"), str(REPO / "tests" / "inference")]
 
-from load import peak_rss_mb, stream_storm
+from load import memory_mb, stream_storm
 from server_process import start_server
 
 
@@ -53,7 +53,7 @@ def main() -> None:
         started = time.monotonic()
         outcomes = stream_storm(server.base_url, args.streams, args.max_tokens)
         wall_s = time.monotonic() - started
-        peak = peak_rss_mb(server.process.pid)
+        peak = memory_mb(server.process.pid, "VmHWM")
     statuses = Counter(str(o.status) for o in outcomes)
     completed = [o for o in outcomes if o.completed]
     refused = [o for o in outcomes if o.status in (429, 503)]

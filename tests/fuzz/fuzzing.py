@@ -3,8 +3,9 @@
 
 HTTP: schemathesis generates requests from the server's own OpenAPI schema (valid and invalid ones) for every
 operation, and hypothesis generates bodies for the chat, token and admin routes: any JSON value, and valid bodies with
-one field replaced by any JSON value. Every response must be below 500; the checks schemathesis runs on a response
-(status documented, body matching its schema) are counted as conformance failures.
+one field replaced by any JSON value. Every response must be below 500; a status the schema does not document counts
+as a conformance failure. Requests go out from a few threads over kept-alive connections while hypothesis draws the
+next ones (drawing is most of the client's time; the server batches what arrives together).
 
 Loaders: hypothesis writes TOML documents and command lines from the config keys and a pool of odd values; loading
 them may succeed or raise the loader's one-line error (ConfigError, RecipeError), never anything else.
@@ -14,39 +15,50 @@ from __future__ import annotations
 
 import json
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 import tomli_w
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from load import memory_mb
+from server_process import start_server
 
-# a server that answers fast: short context (completions end quickly), small n
-SERVER_ARGS = ("--max-model-len", "128", "--max-n", "4", "--max-batch-size", "64")
+# a server that answers fast: short context (completions end quickly), small n; one intra-op thread (the tiny model
+# gains nothing from more, and on a busy machine each extra thread makes every matmul wait for a CPU)
+SERVER_ARGS = ("--max-model-len", "128", "--max-n", "4", "--max-batch-size", "64", "--threads", "1")
 MODEL = "tiny"
 TRIVIAL_EXAMPLES = 5  # requests for an operation without a body: hypothesis soon runs out of distinct ones
+CONCURRENCY = 8  # requests in flight while hypothesis draws the next ones
 
 
 @dataclass
 class Tally:
-    """What a batch of fuzzed requests got back."""
+    """What a batch of fuzzed requests got back (recorded from the sending threads)."""
 
     requests: int = 0
     statuses: Counter = field(default_factory=Counter)
     server_errors: list[str] = field(default_factory=list)  # status >= 500 or a dropped connection
     conformance_failures: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def record(self, label: str, status: int | None, detail: str = "") -> None:
-        self.requests += 1
-        self.statuses[str(status)] += 1
-        if status is None or status >= 500:
-            self.server_errors.append(f"{label}: {status} {detail[:300]}")
+    def record(self, label: str, status: int | None, detail: str = "", documented: set[int] | None = None) -> None:
+        """One answer; with `documented`, a status outside it is a conformance failure."""
+        with self.lock:
+            self.requests += 1
+            self.statuses[str(status)] += 1
+            if status is None or status >= 500:
+                self.server_errors.append(f"{label}: {status} {detail[:300]}")
+            elif documented is not None and status not in documented:
+                self.conformance_failures.append(f"{label}: undocumented {status}")
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +68,38 @@ class Tally:
             "conformance_failures": len(self.conformance_failures),
             "examples": (self.server_errors + self.conformance_failures)[:10],
         }
+
+
+class Sender:
+    """Sends requests from `concurrency` threads over kept-alive connections to one server while the caller (hypothesis)
+    draws the next ones; at most twice `concurrency` wait. Leaving the `with` block waits for all of them and raises
+    what a sending thread raised."""
+
+    def __init__(self, base_url: str, concurrency: int = CONCURRENCY) -> None:
+        limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+        self.http = httpx.Client(base_url=base_url, timeout=60, limits=limits)
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="fuzz-send")
+        self.slots = threading.BoundedSemaphore(2 * concurrency)
+        self.futures: list[Future[None]] = []
+
+    def submit(self, send: Callable[[httpx.Client], None]) -> None:
+        self.slots.acquire()
+        self.futures.append(self.pool.submit(self._run, send))
+
+    def _run(self, send: Callable[[httpx.Client], None]) -> None:
+        try:
+            send(self.http)
+        finally:
+            self.slots.release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=True)
+        self.http.close()
+        for future in self.futures:
+            future.result()
 
 
 def drive(strategy: st.SearchStrategy, examples: int, check: Callable[[Any], None]) -> None:
@@ -72,6 +116,35 @@ def drive(strategy: st.SearchStrategy, examples: int, check: Callable[[Any], Non
 
 # ---------------------------------------------------------------------------------------------------------------------
 # HTTP
+
+
+@dataclass
+class ServerFuzz:
+    """What fuzzing one server process found."""
+
+    tally: Tally
+    schemathesis_requests: int
+    seconds: float
+    health_after: bool
+    tracebacks_in_server_log: int
+    server_rss_mb_before: float
+    server_rss_mb_after: float
+
+
+def fuzz_server(model_dir: Path, workdir: Path, requests: int) -> ServerFuzz:
+    """`requests` fuzzed requests to one real server process on the tiny model: half from schemathesis, the rest
+    hypothesis bodies; then whether /health still answers and what the server logged."""
+    tally = Tally()
+    with start_server(model_dir, workdir, *SERVER_ARGS) as server:
+        rss_before = memory_mb(server.process.pid, "VmRSS")
+        started = time.monotonic()
+        fuzz_openapi(server.base_url, server.admin_token, requests // 2, tally)
+        schemathesis_requests = tally.requests
+        fuzz_bodies(server.base_url, server.admin_token, requests - tally.requests, tally)
+        seconds = time.monotonic() - started
+        healthy = health_after(server.base_url)
+        return ServerFuzz(tally, schemathesis_requests, seconds, healthy, server.log().count("Traceback"),
+                          rss_before, memory_mb(server.process.pid, "VmRSS"))
 
 
 def fuzz_openapi(base_url: str, admin_token: str, budget: int, tally: Tally) -> None:
@@ -91,25 +164,26 @@ def fuzz_openapi(base_url: str, admin_token: str, budget: int, tally: Tally) -> 
                 runs.append((op, mode, {"Authorization": f"Bearer {admin_token}"}))
     trivial = [r for r in runs if "requestBody" not in r[0].definition.raw]  # few distinct requests to make
     per_run = max(1, (budget - TRIVIAL_EXAMPLES * len(trivial)) // (len(runs) - len(trivial)))
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    with Sender(base_url) as sender:
         for op, mode, headers in runs:
             label = f"{op.method.upper()} {op.path} {mode.value}{' +token' if headers else ''}"
             documented = _documented(op)
 
-            def send(case: Any, headers: dict = headers, label: str = label, documented: set = documented) -> None:
-                kwargs = case.as_transport_kwargs(base_url=base_url)
-                kwargs["headers"] = {**(kwargs.get("headers") or {}), **headers}
+            def send(http: httpx.Client, kwargs: dict, label: str = label, documented: set = documented) -> None:
                 try:
                     response = http.request(kwargs["method"], kwargs["url"], **_httpx_kwargs(kwargs))
                 except httpx.TransportError as e:
                     tally.record(label, None, repr(e))
                     return
-                tally.record(label, response.status_code, response.text)
-                if response.status_code not in documented:
-                    tally.conformance_failures.append(f"{label}: undocumented {response.status_code}")
+                tally.record(label, response.status_code, response.text, documented)
+
+            def submit(case: Any, headers: dict = headers, send: Callable = send) -> None:
+                kwargs = case.as_transport_kwargs(base_url=base_url)
+                kwargs["headers"] = {**(kwargs.get("headers") or {}), **headers}
+                sender.submit(lambda http: send(http, kwargs))
 
             examples = TRIVIAL_EXAMPLES if (op, mode, headers) in trivial else per_run
-            drive(op.as_strategy(generation_mode=mode), examples, send)
+            drive(op.as_strategy(generation_mode=mode), examples, submit)
 
 
 def _httpx_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -163,15 +237,15 @@ def fuzz_bodies(base_url: str, admin_token: str, budget: int, tally: Tally) -> N
     per_route = max(1, budget // len(routes))
     last_route_extra = max(0, budget - per_route * len(routes))  # so the budget is met exactly
     raw = st.binary(max_size=200) | JSON.map(lambda v: json.dumps(v).encode())
-    with httpx.Client(base_url=base_url, timeout=60) as http:
+    with Sender(base_url) as sender:
         for route in routes:
             headers = {"Content-Type": "application/json"}
             if route.startswith("/admin/"):
                 headers["Authorization"] = f"Bearer {admin_token}"
             label = f"POST {route} (hypothesis)"
 
-            def send(drawn: tuple[bytes, bool], route: str = route, headers: dict = headers, label: str = label) -> None:
-                body, stream = drawn
+            def send(http: httpx.Client, body: bytes, stream: bool, route: str = route, headers: dict = headers,
+                     label: str = label) -> None:
                 try:
                     if stream and route == "/v1/chat/completions":
                         with http.stream("POST", route, content=body, headers=headers) as response:
@@ -186,9 +260,12 @@ def fuzz_bodies(base_url: str, admin_token: str, budget: int, tally: Tally) -> N
                     return
                 tally.record(label, status, text)
 
+            def submit(drawn: tuple[bytes, bool], send: Callable = send) -> None:
+                sender.submit(lambda http: send(http, *drawn))
+
             bodies = raw | _mutated(route).map(lambda b: json.dumps(b).encode())
             examples = per_route + (last_route_extra if route == routes[-1] else 0)
-            drive(st.tuples(bodies, st.booleans()), examples, send)
+            drive(st.tuples(bodies, st.booleans()), examples, submit)
 
 
 def health_after(base_url: str) -> bool:
@@ -326,8 +403,3 @@ def _dotted_keys(table: dict, prefix: str = "") -> list[str]:
             keys.append(prefix + key)
     return keys
 
-
-def timed(fn: Callable[[], None]) -> float:
-    started = time.monotonic()
-    fn()
-    return time.monotonic() - started

@@ -48,9 +48,9 @@ def stream_storm(base_url: str, concurrency: int, max_tokens: int, timeout_s: fl
     return asyncio.run(_storm(base_url, concurrency, body, timeout_s))
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The process's peak resident memory (VmHWM), MiB."""
+def memory_mb(pid: int, field: str = "VmHWM") -> float:
+    """A memory figure of the process from /proc/<pid>/status, MiB: VmHWM (peak resident) or VmRSS (resident now)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmHWM for pid {pid}")
+    raise RuntimeError(f"no {field} for pid {pid}")

@@ -241,3 +241,25 @@ def test_retries_ride_out_dropped_connections_and_then_name_the_server():
             asyncio.run(gone())
     finally:
         dropping.close()
+
+
+def test_the_servers_connections_send_without_waiting_for_acks():
+    """The server's listening socket leads asyncio to set TCP_NODELAY on every connection it accepts (otherwise each
+    response body over a kept-alive connection waits for the client's delayed ACK)."""
+    from primerl.inference.server import _listen
+
+    async def nodelay_of_an_accepted_connection() -> int:
+        listener = _listen("127.0.0.1", 0)
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        async with await asyncio.start_server(on_connect, sock=listener):
+            _, writer = await asyncio.open_connection(*listener.getsockname())
+            value = await asyncio.wait_for(accepted, timeout=30)
+            writer.close()
+        return value
+
+    assert asyncio.run(nodelay_of_an_accepted_connection()) != 0

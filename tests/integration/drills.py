@@ -1,6 +1,7 @@
 """Kill drills on the tiny CPU run (`drills` tests, `benchmarks/drills.py`): start `rl`, SIGKILL one process at a
 point of the run (writing a batch, writing weights, checkpointing, mid-run), then `rl --resume` to the end, and report
-what the fault cost."""
+what the fault cost, and whether the resumed run trained on the same tasks in the same steps as an uninterrupted run of
+the same config and seed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import REPO, processes_of_run, rl_command, wait_for
+from conftest import REPO, batch_meta, processes_of_run, rl_command, wait_for
 
 from primerl.monitor import read_metrics
 from primerl.transport import weights
@@ -63,8 +64,20 @@ def _pid_of(run: Path, process: str, launcher: subprocess.Popen) -> int | None:
     return min(found) if found else None
 
 
-def run_drill(drill: Drill, run: Path) -> dict:
-    """One drill; the row of the results table."""
+def tasks_per_step(run: Path) -> list[list[str]]:
+    """The task ids of each published batch, step by step."""
+    return [batch_meta(run, step)["extra"]["tasks"] for step in range(len(list(run.glob("rollouts/step_*"))))]
+
+
+def run_uninterrupted(run: Path) -> subprocess.CompletedProcess:
+    """The run every drill is compared with: the same config and seed, never killed."""
+    return subprocess.run(rl_command(run, f"--max_steps={MAX_STEPS}"), cwd=REPO, capture_output=True, text=True,
+                          timeout=900, check=False)
+
+
+def run_drill(drill: Drill, run: Path, uninterrupted: Path | None = None) -> dict:
+    """One drill; the row of the results table (with `uninterrupted`, a run of the same config and seed: whether the
+    resumed run trained on the same tasks in the same steps)."""
     launcher = subprocess.Popen(rl_command(run, f"--max_steps={MAX_STEPS}"), cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     reached = POINTS[drill.point]
@@ -100,6 +113,7 @@ def run_drill(drill: Drill, run: Path) -> dict:
         "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
         "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),
         "resume_exit": resumed.returncode,
+        "task_order_equal": None if uninterrupted is None else tasks_per_step(run) == tasks_per_step(uninterrupted),
         "outcome": "finished" if finished else "failed",
         "resume_tail": "" if finished else (resumed.stdout + resumed.stderr)[-1500:],
     }

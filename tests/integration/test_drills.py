@@ -8,13 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import REPO, processes_of_run, rl_command, wait_for
-from drills import DRILLS, run_drill
+from drills import DRILLS, run_drill, run_uninterrupted, tasks_per_step
 
 from primerl.monitor import read_metrics
 from primerl.transport.checkpoints import latest_trainer_step
+from primerl.transport.rollouts import read_batch
 
 pytestmark = [pytest.mark.drills, pytest.mark.integration,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
@@ -23,17 +26,32 @@ pytestmark = [pytest.mark.drills, pytest.mark.integration,
 DRILLS_VAR = "PRIMERL_DRILLS"
 
 
-@pytest.fixture(autouse=True)
-def _opt_in():
+def _skip_unless_opted_in() -> None:
     if os.environ.get(DRILLS_VAR) != "1":
         pytest.skip(f"the drills are opt-in ({DRILLS_VAR}=1 pytest -m drills; .ci/run runs them as their own group): "
                     "each runs the tiny RL run twice, about a minute each on 2 idle cores")
 
 
+@pytest.fixture(autouse=True)
+def _opt_in():
+    _skip_unless_opted_in()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """A run of the drills' config and seed, never killed (the module's drills compare their task order with it)."""
+    _skip_unless_opted_in()
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    finished = run_uninterrupted(run)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    return run
+
+
 @pytest.mark.parametrize("drill", DRILLS, ids=[d.name for d in DRILLS])
-def test_kill_then_resume(drill, tmp_path):
-    row = run_drill(drill, tmp_path / "run")
+def test_kill_then_resume(drill, tmp_path, uninterrupted):
+    row = run_drill(drill, tmp_path / "run", uninterrupted)
     assert row["outcome"] == "finished", row
+    assert row["task_order_equal"], (tasks_per_step(tmp_path / "run"), tasks_per_step(uninterrupted))
     assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
     assert row["duplicate_batch_records"] == 0, row
     assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
@@ -85,3 +103,17 @@ def test_a_hung_inference_server_ends_the_run_within_the_configured_time(tmp_pat
             os.kill(pid, signal.SIGKILL)
     assert launcher.returncode == 1, err[-3000:]
     assert "orchestrator exited with code 1" in err, err[-3000:]
+
+
+def test_two_fresh_runs_of_one_config_and_seed_sample_the_same_first_batch(tmp_path, uninterrupted):
+    """Step 0 is sampled by the initial policy under seeds fixed by (seed, draw, rollout), and groups enter the batch
+    in draw order: the same token ids, whatever order the requests reached the server in (docs/rl.md, what is
+    reproducible)."""
+    again = tmp_path / "again"
+    finished = subprocess.run(rl_command(again, "--max_steps=1"), cwd=REPO, capture_output=True, text=True,
+                              timeout=900, check=False)
+    assert finished.returncode == 0, finished.stdout + finished.stderr
+    first, second = (read_batch(run / "rollouts" / "step_0") for run in (uninterrupted, again))
+    assert first.meta["extra"]["tasks"] == second.meta["extra"]["tasks"]
+    for name in ("input_ids", "loss_mask", "sample_index"):
+        np.testing.assert_array_equal(first.arrays[name], second.arrays[name], err_msg=name)

@@ -27,9 +27,17 @@ def sample(trace: str, reward: float, versions=(0, 0), tokens: int = 4, error: s
     )
 
 
-def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None, segments=()):
+def drawn(orchestrator, scored, draw: int | None = None):
+    """`scored` as the group of a task the orchestrator drew (as `_launch` does: the next draw unless `draw` is
+    given)."""
+    scored.draw = orchestrator.tasks.next()[0] if draw is None else draw
+    orchestrator.in_flight.add(scored.draw)
+    return scored
+
+
+def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None, segments=(), draw: int | None = None):
     samples = [sample(f"{task}-{i}", r, versions, segments=segments) for i, r in enumerate(rewards)]
-    return score_group(task, samples, orchestrator.advantage_fn, seconds=0.1)
+    return drawn(orchestrator, score_group(task, samples, orchestrator.advantage_fn, seconds=0.1), draw)
 
 
 def batch_advantages(path) -> list[float]:
@@ -74,6 +82,22 @@ def test_a_batch_carries_each_rollouts_advantage(orchestrator, tmp_path):
     (record,) = read_metrics(tmp_path, "orchestrator")
     assert record["reward_mean"] == pytest.approx(0.5) and record["samples"] == 4
     assert o.progress.next_step == 1
+
+
+def test_steps_take_groups_in_draw_order_not_in_the_order_they_finish(orchestrator, tmp_path):
+    o = orchestrator()
+    draws = [o.tasks.next()[0] for _ in range(4)]
+    o.in_flight.update(draws)
+    o._collect(group("d3", [0.0, 1.0], orchestrator=o, draw=3))
+    o._collect(group("d1", [0.0, 1.0], orchestrator=o, draw=1))
+    o._collect(group("d2", [0.0, 1.0], orchestrator=o, draw=2))
+    assert o._take_fresh_groups() is None  # draw 0 still running: step 0 is draws 0 and 1
+    o._collect(group("d0", [0.0, 1.0], orchestrator=o, draw=0))
+    assert o._take_fresh_groups() == 0
+    assert o._take_fresh_groups() == 1
+    steps = [json.loads((tmp_path / "rollouts" / f"step_{n}" / "meta.json").read_text())["extra"]["tasks"]
+             for n in (0, 1)]
+    assert steps == [["d0", "d1"], ["d2", "d3"]]
 
 
 def test_zero_advantage_groups_are_dropped_until_the_cap_then_kept(orchestrator, tmp_path):
@@ -126,8 +150,8 @@ def test_the_batch_carries_each_samples_version_runs(orchestrator, tmp_path):
 def test_failed_rollouts_score_but_never_reach_the_batch_nor_the_baseline(orchestrator, tmp_path):
     o = orchestrator()
     # x-0 failed after sampling tokens: its reward (0) is no evidence about the policy
-    broken = score_group("x", [sample("x-0", 0.0, error="ProviderError: boom"), sample("x-1", 1.0),
-                               sample("x-2", 0.0)], o.advantage_fn, 0.1)
+    broken = drawn(o, score_group("x", [sample("x-0", 0.0, error="ProviderError: boom"), sample("x-1", 1.0),
+                                        sample("x-2", 0.0)], o.advantage_fn, 0.1))
     assert broken.advantages == pytest.approx({"x-1": 0.5, "x-2": -0.5})
     o._collect(broken)
     o._collect(group("y", [0.0, 1.0], orchestrator=o))
@@ -143,7 +167,7 @@ def test_a_group_that_lost_stale_samples_is_scored_again_over_the_rest(orchestra
     o.progress.next_step = 3
     samples = [sample("m-0", 1.0, versions=(1, 2)), sample("m-1", 0.0, versions=(2, 3)),
                sample("m-2", 0.5, versions=(2, 3))]  # m-0 is older than 3 - 1: dropped
-    o._collect(score_group("m", samples, o.advantage_fn, 0.1))
+    o._collect(drawn(o, score_group("m", samples, o.advantage_fn, 0.1)))
     o._collect(group("n", [0.0, 1.0], versions=(3, 3), orchestrator=o))
     assert o._take_fresh_groups() == 3
     # over m-1 and m-2 alone the mean is 0.25; with the dropped m-0 it was 0.5 (advantages -0.5 and 0)
@@ -152,8 +176,8 @@ def test_a_group_that_lost_stale_samples_is_scored_again_over_the_rest(orchestra
 
 def test_a_sample_longer_than_seq_len_is_left_out_and_counted(orchestrator, tmp_path):
     o = orchestrator()  # seq_len 16
-    long = score_group("l", [sample("l-0", 1.0, tokens=17), sample("l-1", 0.0), sample("l-2", 0.5)],
-                       o.advantage_fn, 0.1)
+    long = drawn(o, score_group("l", [sample("l-0", 1.0, tokens=17), sample("l-1", 0.0), sample("l-2", 0.5)],
+                                o.advantage_fn, 0.1))
     o._collect(long)
     o._collect(group("s", [0.0, 1.0], orchestrator=o))
     assert o._take_fresh_groups() == 0

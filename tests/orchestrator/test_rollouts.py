@@ -23,6 +23,7 @@ from primerl.orchestrator.rollouts import (
     chat_client,
     load_env,
     policy_version,
+    rollout_seed,
     run_group,
     samples_from_episode,
     train_client,
@@ -64,7 +65,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool = False) -> list[Sample]:
+def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool = False,
+             seeds: list[int] | None = None) -> list[Sample]:
     env = load_env(env_id)
     task = next(iter(env.taskset))
     client = chat_client(server) if chat else train_client(server, tiny_model_dir, RENDERER)
@@ -73,7 +75,7 @@ def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool 
         async with env.serving(), httpx.AsyncClient(base_url=server) as http:
             return await run_group(
                 env, task, n, model="tiny", client=client, sampling=SAMPLING,
-                current_version=lambda: policy_version(http),
+                current_version=lambda: policy_version(http), seeds=seeds,
             )
 
     return asyncio.run(go())
@@ -102,6 +104,18 @@ def test_single_turn_samples_carry_tokens_mask_and_logprobs(server: str, tiny_mo
         assert sample.is_truncated == (sample.completion_len == MAX_TOKENS)
         assert phrase in tokenizer.decode(sample.input_ids[: sample.prompt_len])
         assert set(sample.rewards) == {"reversal_similarity"} and sample.reward == sample.rewards["reversal_similarity"]
+
+
+def test_seeded_rollouts_sample_the_same_tokens_whatever_order_they_reach_the_server(
+    server: str, tiny_model_dir: Path
+) -> None:
+    seeds = [rollout_seed(seed=7, draw=3, rollout=i) for i in range(4)]
+    assert len(set(seeds)) == 4 and rollout_seed(7, 3, 0) == seeds[0] != rollout_seed(8, 3, 0)
+    first = [s.input_ids for s in rollouts(server, tiny_model_dir, "reverse-text", n=4, seeds=seeds)]
+    again = [s.input_ids for s in rollouts(server, tiny_model_dir, "reverse-text", n=4, seeds=seeds)]
+    reversed_order = [s.input_ids for s in rollouts(server, tiny_model_dir, "reverse-text", n=4, seeds=seeds[::-1])]
+    assert first == again == reversed_order[::-1]
+    assert len({tuple(ids) for ids in first}) > 1  # each rollout its own seed, not one shared
 
 
 def test_multi_turn_rollout_plays_every_batch(server: str, tiny_model_dir: Path) -> None:

@@ -418,9 +418,10 @@ class Orchestrator:
             async def current_version() -> int:
                 return int((await self.pool.health(server))["policy_version"])
 
+            n = self.cfg.batch.group_size
             samples = await bridge.run_group(
-                self.env, task, self.cfg.batch.group_size, model=self.model_name, client=self.clients[server.url],
-                sampling=self.sampling, current_version=current_version,
+                self.env, task, n, model=self.model_name, client=self.clients[server.url], sampling=self.sampling,
+                current_version=current_version, seeds=[bridge.rollout_seed(self.cfg.seed, draw, i) for i in range(n)],
             )
         group = score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
         group.draw = draw
@@ -450,8 +451,10 @@ class Orchestrator:
         self.ready.append(group)
 
     def _take_fresh_groups(self) -> int | None:
-        """Drop stale samples from the waiting groups; when enough groups remain, write the next step's batch and
-        return its step number."""
+        """Drop stale samples from the waiting groups; once the `tasks_per_step` earliest-drawn groups not yet used
+        or dropped have all finished, write them as the next step's batch (in draw order) and return its step number.
+        Steps follow the draw order, not the order groups finish in: the same tasks make the same steps in every run
+        and after a resume, at the cost of waiting for a slow group while later ones are done."""
         step = self.progress.next_step
         for group in list(self.ready):
             fresh = [s for s in group.samples if self.bound.is_fresh(step, s.policy_versions[0])]
@@ -464,9 +467,13 @@ class Orchestrator:
                 if not fresh:
                     self.ready.remove(group)
                     self.in_flight.discard(group.draw)
-        if len(self.ready) < self.cfg.batch.tasks_per_step:
+        earliest = sorted(self.in_flight)[: self.cfg.batch.tasks_per_step]
+        finished = {group.draw: group for group in self.ready}
+        if len(earliest) < self.cfg.batch.tasks_per_step or not all(draw in finished for draw in earliest):
             return None
-        groups = [self.ready.popleft() for _ in range(self.cfg.batch.tasks_per_step)]
+        groups = [finished[draw] for draw in earliest]
+        for group in groups:
+            self.ready.remove(group)
         self._write(step, groups)
         return step
 

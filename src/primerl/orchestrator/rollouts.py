@@ -23,7 +23,8 @@ its first rollout starts and after its last one ends; versions only grow, so `[b
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import hashlib
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,13 @@ async def policy_version(http: httpx.AsyncClient) -> int:
     return int(response.json()["policy_version"])
 
 
+def rollout_seed(seed: int, draw: int, rollout: int) -> int:
+    """The sampling seed of rollout `rollout` of the task drawn `draw`-th in a run seeded `seed`: the same in every run
+    and after a resume, whatever order the requests reach the server in."""
+    digest = hashlib.blake2b(f"{seed}:{draw}:{rollout}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2  # 62 bits: the server adds the sample index for n > 1
+
+
 async def run_group(
     env: vf.Env,
     task: vf.Task,
@@ -210,14 +218,22 @@ async def run_group(
     sampling: vf.SamplingConfig,
     current_version: Callable[[], Awaitable[int]],
     ledger: TokenVersionLedger = TOKEN_VERSIONS,
+    seeds: Sequence[int] | None = None,
 ) -> list[Sample]:
     """Run `n` independent rollouts of `task` concurrently and return their samples (at least one per rollout).
-    Call inside `async with env.serving():` so rollouts share the env's interception server. `current_version`
-    returns the policy version the server samples with now (called once before and once after the group); `ledger`
-    holds the per-token versions of the model calls (see the module docstring)."""
-    ctx = vf.ModelContext(model=model, client=client, sampling=sampling)
+    Rollout i sends `seeds[i]` with each of its requests (None: the server picks). Call inside `async with
+    env.serving():` so rollouts share the env's interception server. `current_version` returns the policy version
+    the server samples with now (called once before and once after the group); `ledger` holds the per-token versions
+    of the model calls (see the module docstring)."""
+    if seeds is not None and len(seeds) != n:
+        raise ValueError(f"{len(seeds)} seeds for {n} rollouts")
+    contexts = [
+        vf.ModelContext(model=model, client=client,
+                        sampling=sampling if seeds is None else vf.SamplingConfig(**sampling.model_dump(), seed=seed))
+        for seed in (seeds or [None] * n)
+    ]
     before = await current_version()
-    episodes = await asyncio.gather(*(env.run_episode(task, ctx) for _ in range(n)))
+    episodes = await asyncio.gather(*(env.run_episode(task, ctx) for ctx in contexts))
     versions = (before, await current_version())
     used: set = set()
     samples = [sample for episode in episodes for sample in samples_from_episode(episode, versions, ledger, used)]
