@@ -1,7 +1,9 @@
 """Benchmark P5: seconds from launching the README's first command to its first logged step, and the checklist's time.
 
 Each run launches `rl recipes/reverse-text.toml --no-check` (the README's first command; the checklist it runs first is
-timed on its own, below) in a fresh run directory and watches the run: `seconds_to_inference_serving` is the inference
+timed on its own, below) in a fresh run directory and watches the run: `seconds_to_processes_started` is when `rl`
+prints its devices line (pins verified, manifest written, configs resolved; the three processes start next),
+`seconds_to_inference_serving` the inference
 server's "serving" log line, `seconds_to_first_batch` the first orchestrator record of metrics.jsonl (rollouts/step_0
 published), `seconds_to_first_step` the first trainer record (the first step line `rl` prints). Then the run is
 stopped with SIGINT. The model is prepared (converted and cached) and its weights hashed once before the clock starts:
@@ -23,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -67,7 +70,15 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
                "--rl.max_steps=3"]
     load = load_average()
     started = time.time()
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launched: list[float] = []  # when `rl` printed its devices line: the three processes start next
+
+    def follow_stdout() -> None:
+        for line in proc.stdout:
+            if line.startswith("rl: devices:") and not launched:
+                launched.append(time.time())
+
+    threading.Thread(target=follow_stdout, daemon=True).start()
     try:
         while "trainer" not in (firsts := first_record_times(run_dir)):
             if proc.poll() is not None:
@@ -80,6 +91,7 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
         proc.wait()
     serving = serving_time(run_dir)
     return {
+        "seconds_to_processes_started": round(launched[0] - started, 2) if launched else None,
         "seconds_to_inference_serving": round(serving - started, 2) if serving else None,
         "seconds_to_first_batch": round(firsts["orchestrator"] - started, 2),
         "seconds_to_first_step": round(firsts["trainer"] - started, 2),
