@@ -250,7 +250,13 @@ def check_sft_trainer(ctx: Context) -> str:
 
 
 def check_rl_trainer(ctx: Context) -> str:
-    return _run_fake_trainer(ctx, "rl_trainer", "trainer", FAKE_RL_CONFIG, MICRO_RL)
+    micro = MICRO_RL
+    if ctx.recipe is not None and "rl" in ctx.recipe.stages:
+        # the CPU threads the run gives its trainer (it splits the cores with the engine): trained as it will be
+        threads = _rl_process_configs(ctx, "rl_trainer")[2].train.threads
+        if threads is not None:
+            micro = {**micro, "train": {**micro["train"], "threads": threads}}
+    return _run_fake_trainer(ctx, "rl_trainer", "trainer", FAKE_RL_CONFIG, micro)
 
 
 def _run_fake_trainer(ctx: Context, name: str, command: str, fake_config: str, micro: dict[str, Any]) -> str:
@@ -521,12 +527,18 @@ def _inference_config(ctx: Context) -> str:
 
     if ctx.recipe is None or "rl" not in ctx.recipe.stages:
         return to_toml(InferenceConfig(model={"name": "tiny"}, max_model_len=512))
+    inference = _rl_process_configs(ctx, "inference")[0]
+    return to_toml(inference.model_copy(update={"admin_token": None, "admin_token_file": None}))
+
+
+def _rl_process_configs(ctx: Context, name: str) -> tuple[Any, Any, Any]:
+    """The inference, orchestrator and trainer configs of the recipe's (smoke) RL stage, as `rl` would start them on
+    this machine (one GPU for both, or the CPU)."""
     from primerl.config.rl import DeviceAssignment
 
-    cfg = validate_stage(ctx.recipe, "rl", run_dir=ctx.work_dir.resolve() / "inference", smoke=True)
+    cfg = validate_stage(ctx.recipe, "rl", run_dir=ctx.work_dir.resolve() / name, smoke=True)
     gpus = [0] if ctx.gpu_count else []
-    inference, _, _ = cfg.process_configs(DeviceAssignment(gpus, gpus), base_url="http://127.0.0.1:0")
-    return to_toml(inference.model_copy(update={"admin_token": None, "admin_token_file": None}))
+    return cfg.process_configs(DeviceAssignment(gpus, gpus), base_url="http://127.0.0.1:0")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
