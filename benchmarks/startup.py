@@ -6,7 +6,7 @@ prints its devices line (pins verified, manifest written, configs resolved; the 
 `seconds_to_inference_serving` the inference
 server's "serving" log line, `seconds_to_first_batch` the first orchestrator record of metrics.jsonl (rollouts/step_0
 published), `seconds_to_first_step` the first trainer record (the first step line `rl` prints). Then the run is
-stopped with SIGINT. The model is prepared (converted and cached) and its weights hashed once before the clock starts:
+stopped (SIGTERM). The model is prepared (converted and cached) and its weights hashed once before the clock starts:
 a warm cache, as on every run after the first. The median of `--repeats` runs is reported, each with the 1-minute load
 average before it. `--checklist` also times `primerl check recipes/reverse-text.toml` (the checklist `rl` runs before
 training), with each step's seconds. Prints one JSON object; `--out FILE` also writes it.
@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -87,7 +86,7 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
                 raise SystemExit(f"no step logged within {timeout_s:.0f}s")
             time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # SIGTERM: `rl` stops its processes (SIGINT is ignored when this runs in the background)
         proc.wait()
     serving = serving_time(run_dir)
     return {

@@ -133,7 +133,7 @@ class Step:
 
     def limit(self, stall_timeout_s: float) -> str:
         if self.timeout_s is None:
-            return f"no progress for {stall_timeout_s:.0f} s"
+            return f"fails after {stall_timeout_s:.0f} s without progress"
         return f"timeout {self.timeout_s:.0f} s"
 
 
