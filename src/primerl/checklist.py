@@ -303,7 +303,7 @@ def check_inference(ctx: Context) -> str:
     server.start()
     watch = ProgressWatch(server, ctx.stall_timeout_s)
     try:
-        with httpx.Client(base_url=base, timeout=60) as client:
+        with httpx.Client(base_url=base, timeout=ctx.stall_timeout_s) as client:  # a busy server answers late
             while True:
                 if server.poll() is not None:
                     raise Fail(f"the server exited with code {server.poll()}: {_last_line(server.tail())}")
