@@ -1,12 +1,17 @@
-"""Benchmark P5: seconds from launching `rl` on the CPU demo config to its first logged step.
+"""Benchmark P5: seconds from launching the README's first command to its first logged step, and the checklist's time.
 
-Launches `rl @ configs/reverse-text/rl.toml` (SmolLM2-135M-Instruct itself, so no SFT stage is needed) in a fresh run
-directory and watches its metrics.jsonl: `seconds_to_first_batch` is the first orchestrator record (rollouts/step_0
-published), `seconds_to_first_step` the first trainer record (the first line `rl` prints). Then the run is stopped
-with SIGINT. The model is prepared (converted and cached) before the clock starts; the median of `--repeats` runs is
-reported. Prints one JSON object; `--out FILE` also writes it.
+Each run launches `rl recipes/reverse-text.toml --no-check` (the README's first command; the checklist it runs first is
+timed on its own, below) in a fresh run directory and watches the run: `seconds_to_processes_started` is when `rl`
+prints its devices line (pins verified, manifest written, configs resolved; the three processes start next),
+`seconds_to_inference_serving` the inference
+server's "serving" log line, `seconds_to_first_batch` the first orchestrator record of metrics.jsonl (rollouts/step_0
+published), `seconds_to_first_step` the first trainer record (the first step line `rl` prints). Then the run is
+stopped (SIGTERM). The model is prepared (converted and cached) and its weights hashed once before the clock starts:
+a warm cache, as on every run after the first. The median of `--repeats` runs is reported, each with the 1-minute load
+average before it. `--checklist` also times `primerl check recipes/reverse-text.toml` (the checklist `rl` runs before
+training), with each step's seconds. Prints one JSON object; `--out FILE` also writes it.
 
-    uv run python benchmarks/startup.py [--repeats 3] [--out benchmarks/results/p5_startup_cpu.json]
+    uv run python benchmarks/startup.py [--repeats 3] [--checklist] [--out benchmarks/results/p5_startup_cpu.json]
 """
 
 from __future__ import annotations
@@ -16,15 +21,20 @@ import json
 import os
 import platform
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from datetime import datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "reverse-text" / "rl.toml"
+RECIPE = REPO / "recipes" / "reverse-text.toml"
+
+
+def load_average() -> float:
+    return round(os.getloadavg()[0], 2)
 
 
 def first_record_times(run_dir: Path) -> dict[str, float]:
@@ -41,12 +51,33 @@ def first_record_times(run_dir: Path) -> dict[str, float]:
     return firsts
 
 
-def measure(run_dir: Path, model: str, timeout_s: float) -> dict[str, float]:
+def serving_time(run_dir: Path) -> float | None:
+    """When the inference server logged that it serves (its log stamps local time to the millisecond)."""
+    try:
+        lines = (run_dir / "logs" / "inference.log").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if " INFO primerl.inference: serving " in line:
+            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    return None
+
+
+def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "primerl.cli", "rl", "@", str(CONFIG), f"--output_dir={run_dir}",
-               f"--model.name={model}", "--max_steps=3"]
+    command = [sys.executable, "-m", "primerl.cli", "rl", str(RECIPE), "--no-check", "--run-dir", str(run_dir),
+               "--rl.max_steps=3"]
+    load = load_average()
     started = time.time()
-    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launched: list[float] = []  # when `rl` printed its devices line: the three processes start next
+
+    def follow_stdout() -> None:
+        for line in proc.stdout:
+            if line.startswith("rl: devices:") and not launched:
+                launched.append(time.time())
+
+    threading.Thread(target=follow_stdout, daemon=True).start()
     try:
         while "trainer" not in (firsts := first_record_times(run_dir)):
             if proc.poll() is not None:
@@ -55,39 +86,64 @@ def measure(run_dir: Path, model: str, timeout_s: float) -> dict[str, float]:
                 raise SystemExit(f"no step logged within {timeout_s:.0f}s")
             time.sleep(0.1)
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.terminate()  # SIGTERM: `rl` stops its processes (SIGINT is ignored when this runs in the background)
         proc.wait()
+    serving = serving_time(run_dir)
     return {
+        "seconds_to_processes_started": round(launched[0] - started, 2) if launched else None,
+        "seconds_to_inference_serving": round(serving - started, 2) if serving else None,
         "seconds_to_first_batch": round(firsts["orchestrator"] - started, 2),
         "seconds_to_first_step": round(firsts["trainer"] - started, 2),
+        "load_average_1m_before": load,
     }
+
+
+def time_checklist(run_dir: Path) -> dict:
+    """`primerl check` on the recipe: wall seconds and each step's status and seconds."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    report = run_dir / "checklist.json"
+    load = load_average()
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "primerl.cli", "check", str(RECIPE), "--run-dir", str(run_dir),
+                           "--report", str(report)], cwd=REPO, capture_output=True, text=True, check=False)
+    seconds = round(time.time() - started, 1)
+    if proc.returncode != 0:
+        raise SystemExit(f"the checklist failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
+    steps = json.loads(report.read_text())["steps"]
+    return {"seconds": seconds, "load_average_1m_before": load, "load_average_1m_after": load_average(),
+            "steps": {s["name"]: [s["status"], s["seconds"]] for s in steps}}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--checklist", action="store_true", help="also time the recipe's checklist (primerl check)")
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-p5")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for one first step")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
 
-    from primerl.models import resolve_model
+    from primerl.recipes import load_recipe
+    from primerl.recipes.pins import PinReport, verify_model
 
-    resolve_model(args.model)  # one-time conversion is not part of the start-up being measured
+    verify_model(load_recipe(RECIPE), PinReport(), lambda _: None)  # the warm cache: model converted, hash stamped
+    work = args.work_dir.resolve()
     runs = []
     for i in range(args.repeats):
-        runs.append(measure(args.work_dir.resolve() / f"run-{i}", args.model, args.timeout))
+        runs.append(measure(work / f"run-{i}", args.timeout))
         print(f"run {i}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
     result = {
-        "benchmark": "P5 rl launch to first logged step, CPU demo config",
+        "benchmark": "P5 launch of `rl recipes/reverse-text.toml` to its first logged step, CPU",
         "seconds_to_first_step": statistics.median(r["seconds_to_first_step"] for r in runs),
         "seconds_to_first_batch": statistics.median(r["seconds_to_first_batch"] for r in runs),
         "runs": runs,
-        "config": {"file": str(CONFIG.relative_to(REPO)), "model": args.model},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "load_average_1m": round(os.getloadavg()[0], 2)},
+        "command": f"rl {RECIPE.relative_to(REPO)} --no-check --rl.max_steps=3",
     }
+    if args.checklist:
+        result["checklist"] = time_checklist(work / "checklist")
+        print(f"checklist: {json.dumps(result['checklist'])}", file=sys.stderr, flush=True)
+    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                         "load_average_1m_after": load_average()}
     print(json.dumps(result))
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

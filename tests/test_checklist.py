@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,53 @@ def test_scratch_logs_are_removed_after_a_pass_and_kept_and_named_after_a_failur
     assert f"checklist logs: {kept}" in out.getvalue()
 
 
+def test_the_sft_trainer_step_is_skipped_for_a_recipe_without_an_sft_stage(tmp_path):
+    report = tmp_path / "report.json"
+    proc = check(str(TINY_RECIPE), "--only", "sft_trainer", "--run-dir", str(tmp_path / "run"), "--report", str(report))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert statuses(report)["sft_trainer"] == ("skipped", "the recipe has no sft stage")
+
+
+def watched(tmp_path, monkeypatch, code: str, stall_timeout_s: float):
+    """Follow a real child running `code` as a heavy step follows its command; the outcome and the progress lines."""
+    from primerl.checklist import Context, Fail, ProgressWatch, _follow
+    from primerl.launch.processes import ManagedProcess, stop_all
+
+    monkeypatch.setattr(ProgressWatch, "SAMPLE_EVERY_S", 0.5)
+    monkeypatch.setattr(ProgressWatch, "MIN_CPU_S", 0.01)
+    monkeypatch.setattr("primerl.checklist.PROGRESS_EVERY_S", 1.0)
+    said: list[str] = []
+    ctx = Context(None, tmp_path, tmp_path, tmp_path, said.append, stall_timeout_s=stall_timeout_s)
+    child = ManagedProcess("child", [sys.executable, "-c", code], tmp_path / "child.log")
+    child.start()
+    watch = ProgressWatch(child, ctx.stall_timeout_s)
+    try:
+        while child.poll() is None:
+            _follow(ctx, watch, "running the child")
+            time.sleep(0.1)
+    except Fail as e:
+        return str(e), said
+    finally:
+        stop_all([child], grace_s=5)
+    return f"exit {child.poll()}", said
+
+
+def test_a_silent_idle_child_fails_as_stalled_naming_what_it_was_doing(tmp_path, monkeypatch):
+    outcome, _ = watched(tmp_path, monkeypatch, "print('loading', flush=True); import time; time.sleep(600)", 3)
+    assert outcome.startswith("no progress for 3 s while running the child"), outcome
+    assert "last output: loading" in outcome
+
+
+def test_a_silent_child_whose_grandchild_computes_is_not_killed(tmp_path, monkeypatch):
+    """A slow step prints nothing for longer than the stall timeout, but the process it started keeps computing (as
+    the trainer under `rl`, or one long step on a busy machine): that is progress."""
+    spin = "import time; end = time.process_time() + 4\nwhile time.process_time() < end: pass"
+    parent = f"import subprocess, sys; sys.exit(subprocess.run([sys.executable, '-c', {spin!r}]).returncode)"
+    outcome, said = watched(tmp_path, monkeypatch, parent, 2)
+    assert outcome == "exit 0"
+    assert any("CPU-s; no new output for" in line for line in said), said
+
+
 def test_unknown_step_names_are_a_usage_error():
     proc = check("--only", "pyton")
     assert proc.returncode == 2 and "pyton" in proc.stderr
@@ -125,7 +173,8 @@ def test_the_full_checklist_passes_for_the_tiny_recipe(tmp_path):
     proc = check(str(TINY_RECIPE), "--run-dir", str(tmp_path / "run"), "--report", str(report), timeout=3600)
     found = statuses(report)
     assert found.pop("flash_attn")[0] == "skipped"
+    assert found.pop("sft_trainer") == ("skipped", "the recipe has no sft stage")
     assert {name: status for name, (status, _) in found.items()} == {name: "passed" for name in found}, found
-    # The fake-data trainer steps train the recipe's own model, not the embedded default.
-    assert found["sft_trainer"][1].endswith("on tiny finished") and found["rl_trainer"][1].endswith("on tiny finished")
+    # The fake-data trainer step trains the recipe's own model, not the embedded default.
+    assert found["rl_trainer"][1].endswith("one micro-step on tiny, saved"), found["rl_trainer"]
     assert proc.returncode == 0

@@ -1,6 +1,6 @@
 """`primerl check [recipe.toml]`: the validation checklist — can this machine run this recipe, here and now?
 
-Steps, in order (each with its own timeout; `--only` / `--skip` pick them by name):
+Steps, in order (`--only` / `--skip` pick them by name):
 
     python       the Python version matches the recipe's pin
     torch        torch imports and sees the GPUs the recipe needs
@@ -10,8 +10,10 @@ Steps, in order (each with its own timeout; `--only` / `--skip` pick them by nam
     ports        the TCP ports the run will bind are free
     run_dir      the run directory can be created and written
     model        the model files are present with the pinned hashes
-    sft_trainer  `primerl sft` runs configs/debug/fake/sft.toml (on the recipe's model when a recipe is given)
-    rl_trainer   `primerl trainer` runs configs/debug/fake/rl.toml (on the recipe's model when a recipe is given)
+    sft_trainer  `primerl sft` trains one micro-step of configs/debug/fake/sft.toml and saves (recipes with an sft
+                 stage, on the recipe's model; without a recipe on the fake config's own model)
+    rl_trainer   `primerl trainer` trains one micro-step of configs/debug/fake/rl.toml and saves (on the recipe's model
+                 when a recipe is given)
     inference    `primerl inference` serves the recipe's model: /health, /v1/models, one chat completion
     rl_smoke     `primerl rl` runs the recipe's smoke variant (a few steps of the whole stack)
 
@@ -20,6 +22,11 @@ without a GPU) is skipped, never passed. The heavy steps run the real commands a
 `<run>/logs/checklist/<step>.log` (`primerl check` and `rl` alike; nothing is left in the temporary directory). The
 console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's
 status, detail and duration. Exit code: 0 when nothing failed, 1 when a step failed, 2 on a usage or recipe error.
+
+Time limits: the light steps have fixed ones (seconds of work each). The heavy steps have none that a busy machine
+can hit: they run as long as the child processes make progress -- new output in their log, or CPU time spent by the
+child and everything it started -- and fail only after `--stall-timeout` seconds (default 300) without either, naming
+what they were doing. A slow machine slows a child down but it keeps spending CPU; a stuck one does neither.
 """
 
 from __future__ import annotations
@@ -37,18 +44,24 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from primerl.ports import free_port
 from primerl.recipes.schema import Recipe, RecipeError, load_recipe, stage_values, validate_stage
 
+if TYPE_CHECKING:
+    from primerl.launch.processes import ManagedProcess
+
 Status = Literal["passed", "failed", "skipped"]
 PROGRESS_EVERY_S = 15.0
-INFERENCE_STARTUP_S = 600
+STALL_TIMEOUT_S = 300.0
 FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
 FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"
 DEFAULT_RUN_DIR = Path("runs/check")
 CHECKLIST_LOGS = Path("logs") / "checklist"  # the heavy steps' logs, inside the run directory
+# One optimizer step on a few tokens proves what the trainer steps check: the model loads, steps and saves here.
+MICRO_SFT = {"train": {"max_steps": 1}, "data": {"fake_conversations": 2, "rows_per_step": 1, "seq_len": 128}}
+MICRO_RL = {"train": {"max_steps": 1}, "data": {"fake_samples": 2, "fake_sample_tokens": 16, "fake_seq_len": 32}}
 
 
 class Skip(Exception):
@@ -77,6 +90,7 @@ class Context:
     log_dir: Path
     work_dir: Path
     say: Callable[[str], None]
+    stall_timeout_s: float = STALL_TIMEOUT_S
     _torch: dict[str, Any] | None = field(default=None, repr=False)
 
     def torch_facts(self) -> dict[str, Any]:
@@ -114,8 +128,13 @@ class Context:
 class Step:
     name: str
     summary: str
-    timeout_s: float
+    timeout_s: float | None  # None: no fixed limit; the step fails when its child stops making progress
     run: Callable[[Context], str]  # returns the detail of a pass; raises Skip or Fail
+
+    def limit(self, stall_timeout_s: float) -> str:
+        if self.timeout_s is None:
+            return f"fails after {stall_timeout_s:.0f} s without progress"
+        return f"timeout {self.timeout_s:.0f} s"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -224,31 +243,38 @@ def check_model(ctx: Context) -> str:
 
 
 def check_sft_trainer(ctx: Context) -> str:
-    return _run_fake_trainer(ctx, "sft_trainer", "sft", FAKE_SFT_CONFIG)
+    ctx.require_runnable_here()
+    if ctx.recipe is not None and "sft" not in ctx.recipe.stages:
+        raise Skip("the recipe has no sft stage")
+    return _run_fake_trainer(ctx, "sft_trainer", "sft", FAKE_SFT_CONFIG, MICRO_SFT)
 
 
 def check_rl_trainer(ctx: Context) -> str:
-    return _run_fake_trainer(ctx, "rl_trainer", "trainer", FAKE_RL_CONFIG)
+    micro = MICRO_RL
+    if ctx.recipe is not None and "rl" in ctx.recipe.stages:
+        # the CPU threads the run gives its trainer (it splits the cores with the engine): trained as it will be
+        threads = _rl_process_configs(ctx, "rl_trainer")[2].train.threads
+        if threads is not None:
+            micro = {**micro, "train": {**micro["train"], "threads": threads}}
+    return _run_fake_trainer(ctx, "rl_trainer", "trainer", FAKE_RL_CONFIG, micro)
 
 
-def _run_fake_trainer(ctx: Context, name: str, command: str, fake_config: str) -> str:
-    """Run a trainer on fake data for a few steps. With a recipe it trains the recipe's model (the one the run will
-    train, at its pinned revision), so the step checks that model with this trainer on this machine; without one it
-    trains the fake config's own model (the embedded default)."""
+def _run_fake_trainer(ctx: Context, name: str, command: str, fake_config: str, micro: dict[str, Any]) -> str:
+    """Train one micro-step on fake data and save (checkpoint and weights). With a recipe it trains the recipe's model
+    (the one the run will train, at its pinned revision), so the step checks that model with this trainer on this
+    machine; without one it trains the fake config's own model (the embedded default)."""
+    import tomli_w
+
     config = _project_file(fake_config)
     work = ctx.work_dir / name
-    args = [command, "@", str(config)]
     model = _recipe_model(ctx)
     if model is not None:
         ctx.require_runnable_here()
-        import tomli_w
-
-        override = ctx.log_dir / f"{name}.model.toml"
-        override.write_text(tomli_w.dumps({"model": model}))
-        args += ["@", str(override)]
-    _run_command(ctx, name, [*args, "--run_dir", str(work)], timeout_s=600)
+    override = ctx.log_dir / f"{name}.micro.toml"
+    override.write_text(tomli_w.dumps({**micro, **({"model": model} if model is not None else {})}))
+    _run_command(ctx, name, [command, "@", str(config), "@", str(override), "--run_dir", str(work)])
     on = f" on {model['name']}" if model is not None else ""
-    return f"primerl {command} @ {fake_config}{on} finished"
+    return f"primerl {command} @ {fake_config}: one micro-step{on}, saved"
 
 
 def _recipe_model(ctx: Context) -> dict[str, Any] | None:
@@ -275,9 +301,9 @@ def check_inference(ctx: Context) -> str:
                             ctx.log_dir / "inference.log", env=child_environment())
     base = f"http://127.0.0.1:{port}"
     server.start()
+    watch = ProgressWatch(server, ctx.stall_timeout_s)
     try:
-        started = last_note = time.monotonic()
-        with httpx.Client(base_url=base, timeout=60) as client:
+        with httpx.Client(base_url=base, timeout=ctx.stall_timeout_s) as client:  # a busy server answers late
             while True:
                 if server.poll() is not None:
                     raise Fail(f"the server exited with code {server.poll()}: {_last_line(server.tail())}")
@@ -286,12 +312,7 @@ def check_inference(ctx: Context) -> str:
                         break
                 except httpx.TransportError:
                     pass
-                now = time.monotonic()
-                if now - started > INFERENCE_STARTUP_S:
-                    raise Fail(f"{base}/health did not answer within {INFERENCE_STARTUP_S} s (log: {server.log_path})")
-                if now - last_note > PROGRESS_EVERY_S:
-                    ctx.say(f"waiting for {base}/health ({now - started:.0f} s)")
-                    last_note = now
+                _follow(ctx, watch, f"starting the server, waiting for {base}/health")
                 time.sleep(0.5)
             models = client.get("/v1/models").json()["data"]
             name = models[0]["id"]
@@ -319,7 +340,7 @@ def check_rl_smoke(ctx: Context) -> str:
     cfg = validate_stage(ctx.recipe, "rl", run_dir=run_dir, smoke=True)
     config_file = ctx.log_dir / "rl_smoke.toml"
     config_file.write_text(to_toml(cfg))
-    _run_command(ctx, "rl_smoke", ["rl", "@", str(config_file)], timeout_s=900)
+    _run_command(ctx, "rl_smoke", ["rl", "@", str(config_file)])
     return f"primerl rl ran the smoke variant ({cfg.max_steps} step(s))"
 
 
@@ -332,10 +353,10 @@ STEPS: tuple[Step, ...] = (
     Step("ports", "the ports the run binds are free", 10, check_ports),
     Step("run_dir", "the run directory is writable", 30, check_run_dir),
     Step("model", "model files present with the pinned hashes", 1800, check_model),
-    Step("sft_trainer", f"primerl sft runs {FAKE_SFT_CONFIG}", 660, check_sft_trainer),
-    Step("rl_trainer", f"primerl trainer runs {FAKE_RL_CONFIG}", 660, check_rl_trainer),
-    Step("inference", "the inference server answers /health, /v1/models and a chat request", 660, check_inference),
-    Step("rl_smoke", "the full RL stack runs the recipe's smoke variant", 960, check_rl_smoke),
+    Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves", None, check_sft_trainer),
+    Step("rl_trainer", f"primerl trainer trains one micro-step of {FAKE_RL_CONFIG} and saves", None, check_rl_trainer),
+    Step("inference", "the inference server answers /health, /v1/models and a chat request", None, check_inference),
+    Step("rl_smoke", "the full RL stack runs the recipe's smoke variant", None, check_rl_smoke),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -359,27 +380,120 @@ def _project_file(relative: str) -> Path:
     raise Fail(f"{relative} not found (run from the primerl checkout or image)")
 
 
-def _run_command(ctx: Context, name: str, args: Sequence[str], timeout_s: float) -> None:
-    """Run `primerl <args>` with its output in `<log dir>/<name>.log`, printing progress; Fail on error or timeout."""
+def _run_command(ctx: Context, name: str, args: Sequence[str]) -> None:
+    """Run `primerl <args>` with its output in `<log dir>/<name>.log`, printing progress; Fail on error, or when it
+    makes no progress for `ctx.stall_timeout_s`."""
     from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
 
-    proc = ManagedProcess(name, primerl_command(*args), ctx.log_dir / f"{name}.log",
-                          env=child_environment())
+    proc = ManagedProcess(name, primerl_command(*args), ctx.log_dir / f"{name}.log", env=child_environment())
     proc.start()
-    started = last_note = time.monotonic()
+    watch = ProgressWatch(proc, ctx.stall_timeout_s)
     try:
         while proc.poll() is None:
-            now = time.monotonic()
-            if now - started > timeout_s:
-                raise Fail(f"timed out after {timeout_s:.0f} s (log: {proc.log_path})")
-            if now - last_note > PROGRESS_EVERY_S:
-                ctx.say(f"{name}: {now - started:.0f} s, {_last_line(proc.tail(5))[:100]}")
-                last_note = now
+            _follow(ctx, watch, f"running primerl {args[0]}")
             time.sleep(0.5)
     finally:
         stop_all([proc], grace_s=10)
     if proc.poll() != 0:
         raise Fail(f"exit code {proc.poll()}: {_last_line(proc.tail())[:300]} (log: {proc.log_path})")
+
+
+def _follow(ctx: Context, watch: ProgressWatch, doing: str) -> None:
+    """One look at a running child: a progress line every PROGRESS_EVERY_S, Fail when it stalled."""
+    watch.sample()
+    if watch.stalled():
+        raise Fail(f"no progress for {watch.stall_timeout_s:.0f} s while {doing}: no new output and no CPU time "
+                   f"spent; last output: {_last_line(watch.proc.tail(5))[:200]} (log: {watch.proc.log_path})")
+    if watch.heartbeat_due():
+        ctx.say(f"{watch.proc.name}: {watch.report()}")
+
+
+class ProgressWatch:
+    """Is a child process still making progress? Progress is new output in its log, or CPU time spent by the child
+    and every process it started (the three processes under `rl`, for one). On a busy machine a child runs slowly but
+    keeps spending CPU; a stuck child (a deadlock, a wait on something that never comes) spends almost none, and the
+    few milliseconds of an idle poll loop stay far below `MIN_CPU_S` per `SAMPLE_EVERY_S`."""
+
+    SAMPLE_EVERY_S = 5.0
+    MIN_CPU_S = 0.1
+
+    def __init__(self, proc: ManagedProcess, stall_timeout_s: float):
+        self.proc = proc
+        self.stall_timeout_s = stall_timeout_s
+        now = time.monotonic()
+        self.started = self.last_output = self.last_working = self.last_sample = self.last_heartbeat = now
+        self.log_size = self._log_size()
+        self.cpu_s = tree_cpu_seconds(proc.pid) or 0.0
+        self.heartbeat_output = self.log_size  # the log's size at the last heartbeat
+
+    def _log_size(self) -> int:
+        try:
+            return self.proc.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        if now - self.last_sample < self.SAMPLE_EVERY_S:
+            return
+        self.last_sample = now
+        size, cpu_s = self._log_size(), tree_cpu_seconds(self.proc.pid)
+        if size != self.log_size:
+            self.log_size, self.last_output = size, now
+        if cpu_s is not None and cpu_s - self.cpu_s >= self.MIN_CPU_S:
+            self.last_working = now
+        self.cpu_s = max(self.cpu_s, cpu_s or 0.0)
+
+    def stalled(self) -> bool:
+        return time.monotonic() - max(self.last_output, self.last_working) > self.stall_timeout_s
+
+    def heartbeat_due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last_heartbeat < PROGRESS_EVERY_S:
+            return False
+        self.last_heartbeat = now
+        return True
+
+    def report(self) -> str:
+        """What changed since the last report: `42 s, 37 CPU-s; <newest log line>` when there is new output, else
+        `...; no new output for 30 s` (and `, idle for 20 s` when the processes spend no CPU either)."""
+        now = time.monotonic()
+        head = f"{now - self.started:.0f} s, {self.cpu_s:.0f} CPU-s"
+        if self.log_size != self.heartbeat_output:
+            self.heartbeat_output = self.log_size
+            return f"{head}; {_last_line(self.proc.tail(5))[:100]}"
+        idle = now - self.last_working
+        return f"{head}; no new output for {now - self.last_output:.0f} s" + (
+            f", idle for {idle:.0f} s" if idle > self.SAMPLE_EVERY_S else "")
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) spent by process `pid`, its descendants, and the children they have reaped, read
+    from /proc; None where there is no /proc (then only the log shows progress)."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        stats[int(entry)] = (int(fields[1]), sum(int(v) for v in fields[11:15]) / tick)
+    if pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats[current][1]
+        todo += children.get(current, [])
+    return total
 
 
 def _stage_tree(ctx: Context) -> dict[str, Any]:
@@ -413,12 +527,18 @@ def _inference_config(ctx: Context) -> str:
 
     if ctx.recipe is None or "rl" not in ctx.recipe.stages:
         return to_toml(InferenceConfig(model={"name": "tiny"}, max_model_len=512))
+    inference = _rl_process_configs(ctx, "inference")[0]
+    return to_toml(inference.model_copy(update={"admin_token": None, "admin_token_file": None}))
+
+
+def _rl_process_configs(ctx: Context, name: str) -> tuple[Any, Any, Any]:
+    """The inference, orchestrator and trainer configs of the recipe's (smoke) RL stage, as `rl` would start them on
+    this machine (one GPU for both, or the CPU)."""
     from primerl.config.rl import DeviceAssignment
 
-    cfg = validate_stage(ctx.recipe, "rl", run_dir=ctx.work_dir.resolve() / "inference", smoke=True)
+    cfg = validate_stage(ctx.recipe, "rl", run_dir=ctx.work_dir.resolve() / name, smoke=True)
     gpus = [0] if ctx.gpu_count else []
-    inference, _, _ = cfg.process_configs(DeviceAssignment(gpus, gpus), base_url="http://127.0.0.1:0")
-    return to_toml(inference.model_copy(update={"admin_token": None, "admin_token_file": None}))
+    return cfg.process_configs(DeviceAssignment(gpus, gpus), base_url="http://127.0.0.1:0")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -458,7 +578,7 @@ def select_steps(only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[Ste
 
 
 def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path | None = None,
-                  out=sys.stdout) -> ChecklistReport:
+                  out=sys.stdout, stall_timeout_s: float = STALL_TIMEOUT_S) -> ChecklistReport:
     """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` and are kept;
     without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
     one failed. Their outputs go to a scratch directory removed at the end."""
@@ -469,7 +589,7 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
         log_dir = None
     if log_dir is None:
         scratch_logs = Path(tempfile.mkdtemp(prefix="primerl-checklist-logs-"))
-        report = run_checklist(recipe, run_dir, steps, scratch_logs, out)
+        report = run_checklist(recipe, run_dir, steps, scratch_logs, out, stall_timeout_s)
         if report.failed:
             print(f"checklist logs: {scratch_logs}", file=out, flush=True)
         else:
@@ -482,7 +602,8 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
 
     results = []
     with tempfile.TemporaryDirectory(prefix="primerl-checklist-") as work_dir:
-        ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say)
+        ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say,
+                      stall_timeout_s=stall_timeout_s)
         for i, step in enumerate(steps, 1):
             print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ...", file=out, flush=True)
             result = _run_step(step, ctx)
@@ -492,7 +613,8 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:
-    """Run one step in a worker thread so its timeout holds even for in-process work."""
+    """Run one step in a worker thread so a fixed timeout holds even for in-process work (steps without one watch
+    their child's progress themselves)."""
     outcome: list[tuple[Status, str]] = []
 
     def work() -> None:
@@ -537,11 +659,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=_names, default=[], help="comma-separated steps to leave out")
     parser.add_argument("--run-dir", type=Path, help=f"run directory to check (default: runs/<recipe> or {DEFAULT_RUN_DIR})")
     parser.add_argument("--report", type=Path, help="JSON report path (default: <run dir>/checklist.json)")
+    parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
+                        help="fail a heavy step after S seconds without progress: no new output and no CPU time spent "
+                        f"by its processes (default {STALL_TIMEOUT_S:.0f})")
     parser.add_argument("--list", action="store_true", help="list the steps and exit")
     args = parser.parse_args(argv)
     if args.list:
         for step in STEPS:
-            print(f"{step.name:12s} {step.summary} (timeout {step.timeout_s:.0f} s)")
+            print(f"{step.name:12s} {step.summary} ({step.limit(args.stall_timeout)})")
         return 0
     try:
         steps = select_steps(args.only, args.skip)
@@ -552,7 +677,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"primerl check: error: {e}", file=sys.stderr)
         return 2
     run_dir = args.run_dir or (Path("runs") / recipe.name if recipe else DEFAULT_RUN_DIR)
-    report = run_checklist(recipe, run_dir, steps, log_dir=run_dir / CHECKLIST_LOGS)
+    if args.stall_timeout <= 0:
+        print("primerl check: error: --stall-timeout must be positive", file=sys.stderr)
+        return 2
+    report = run_checklist(recipe, run_dir, steps, log_dir=run_dir / CHECKLIST_LOGS,
+                           stall_timeout_s=args.stall_timeout)
     print("\n" + report.table())
     report_path = args.report or run_dir / "checklist.json"
     try:

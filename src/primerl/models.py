@@ -21,7 +21,6 @@ container finds them whatever cache directory it is given.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -33,6 +32,8 @@ import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from primerl.digests import sha256_file
 
 EMBEDDED = "smollm2-135m-instruct"
 TINY = "tiny"
@@ -195,14 +196,6 @@ def _hub_snapshot(repo_id: str, revision: str | None) -> Path:
 
 # ---------------------------------------------------------------------------------------------------------------------
 # The embedded model
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _say(message: str) -> None:

@@ -52,7 +52,7 @@ def build_manifest(
 ) -> dict[str, Any]:
     """The manifest of a run about to start its stages. `stage_configs` are resolved configs (JSON-able dicts)."""
     from primerl import __version__
-    from primerl.models import sha256_file
+    from primerl.digests import sha256_file
 
     run_dir = run_dir.resolve()
     return {
@@ -219,10 +219,20 @@ def _gpu_facts() -> dict[str, Any]:
         banner = subprocess.run(["nvidia-smi"], capture_output=True, text=True, check=False).stdout
         match = re.search(r"CUDA Version:\s*([\d.]+)", banner)
         driver_cuda = match[1] if match else None
-    try:
-        import torch
+    return {"gpus": gpus, "gpu_driver": driver, "driver_cuda": driver_cuda, "torch_cuda": torch_cuda_version()}
 
-        torch_cuda = torch.version.cuda
-    except ImportError:
-        torch_cuda = None
-    return {"gpus": gpus, "gpu_driver": driver, "driver_cuda": driver_cuda, "torch_cuda": torch_cuda}
+
+def torch_cuda_version() -> str | None:
+    """`torch.version.cuda` without importing torch (seconds, on every run): torch/version.py is a generated file of
+    plain assignments, read on its own."""
+    import runpy
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    version_file = Path(next(iter(spec.submodule_search_locations))) / "version.py"
+    try:
+        return runpy.run_path(str(version_file)).get("cuda")
+    except (OSError, SyntaxError):
+        return None

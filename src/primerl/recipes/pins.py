@@ -80,7 +80,7 @@ class PinReport:
 
 
 def sha256_file(path: Path) -> str:
-    from primerl.models import sha256_file as digest
+    from primerl.digests import sha256_file as digest
 
     return digest(path)
 
@@ -225,10 +225,12 @@ def verify_model(recipe: Recipe, report: PinReport, say: Callable[[str], None]) 
         report.add("model revision", pin.revision, snapshot_revision(directory))
     if not pin.files:
         report.add("model files", UNPINNED, f"{len(weight_files(directory))} weight file(s), none pinned")
+    from primerl.digests import sha256_stamped
+
     for name, sha in pin.files.items():
         path = directory / name
         say(f"hashing {pin.source}/{name}")
-        report.add(f"model file {name}", sha, sha256_file(path) if path.is_file() else None)
+        report.add(f"model file {name}", sha, sha256_stamped(path) if path.is_file() else None)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
