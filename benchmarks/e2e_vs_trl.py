@@ -89,13 +89,17 @@ def write_prompts(work: Path, system_prompt: str) -> tuple[Path, Path]:
 
 
 def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Namespace) -> dict:
+    threads = {}
+    if args.threads:  # engine,trainer CPU threads instead of `rl`'s split of the cores
+        engine_threads, trainer_threads = (int(x) for x in args.threads.split(","))
+        threads = {"inference": {"threads": engine_threads}, "trainer": {"train": {"threads": trainer_threads}}}
     return {
         "model": {"name": str(model_dir), "dtype": "bfloat16" if args.bf16 else "float32"},
         "max_steps": args.steps,
         "max_async_steps": 1,
         "seq_len": args.seq_len,
         "weight_transfer": args.weight_transfer,
-        "inference": {"max_batch_size": args.max_batch_size, "engine": args.engine},
+        "inference": {"max_batch_size": args.max_batch_size, "engine": args.engine, **threads.get("inference", {})},
         "orchestrator": {
             "env": {"id": "reverse-text", "args": {"system_prompt": str(system_prompt_file)}},
             "batch": {"tasks_per_step": args.prompts_per_step, "group_size": args.group},
@@ -104,6 +108,7 @@ def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Nam
         },
         "trainer": {
             "optim": {"lr": args.lr},
+            **threads.get("trainer", {}),
             "ckpt": {"save_at_end": False},  # the peer saves nothing either
         },
     }
@@ -244,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-batch-size", type=int, default=32, help="primerl's inference.max_batch_size")
     parser.add_argument("--weight-transfer", default="filesystem", choices=["filesystem", "broadcast", "shared"])
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="primerl's inference engine")
+    parser.add_argument("--threads", help="primerl's CPU threads as ENGINE,TRAINER (default: rl splits the cores)")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--skip-trl", action="store_true", help="primerl only (e.g. a learning run)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
