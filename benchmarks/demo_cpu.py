@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from report import emit  # benchmarks/report.py
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "reverse-text.toml"
 
@@ -103,10 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_rewards(args.plot, rewards)
     if args.run_dir is None:
         shutil.rmtree(run_dir.parent, ignore_errors=True)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from report import emit  # benchmarks/report.py
 
 QWEN3_0_6B = {
     "hidden_size": 1024,
@@ -236,11 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 

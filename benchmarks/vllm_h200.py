@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from report import emit  # benchmarks/report.py
+
 HERE = Path(__file__).resolve().parent
 PROMPTS_PER_STEP, GROUP, RL_NEW_TOKENS = 16, 8, 128  # (b): P1-GPU's sizes
 
@@ -147,11 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         result["p3"] = p3(args)
     if not args.skip_rl:
         result["rl"] = rl(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out)
     return 0
 
 
