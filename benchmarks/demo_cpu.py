@@ -27,13 +27,13 @@ from pathlib import Path
 
 from report import emit  # benchmarks/report.py
 
+from primerl.monitor import read_metrics
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "reverse-text.toml"
 
 
 def rewards_per_step(run_dir: Path) -> list[float]:
-    from primerl.monitor import read_metrics
-
     records = sorted(read_metrics(run_dir, "orchestrator"), key=lambda r: r["step"])
     return [round(float(r["reward_mean"]), 4) for r in records]
 
@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> int:
     rewards = rewards_per_step(run_dir)
     report = run_dir / "checklist.json"
     checklist = sum(s["seconds"] for s in json.loads(report.read_text())["steps"]) if report.exists() else None
-    from primerl.monitor import read_metrics
-
     trained = sorted(read_metrics(run_dir, "trainer"), key=lambda r: r["step"])
     first3, last3 = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
     result = {

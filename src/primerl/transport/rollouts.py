@@ -226,8 +226,7 @@ def pack_samples(
             put(row, offset, samples[i], 0, lengths[i], i, -1)
             continue
         prompt_index, next_prompt_index = next_prompt_index, next_prompt_index + 1
-        put(row, offset, samples[unit.members[0]], 0, unit.prompt, prompt_index, -1)
-        arrays["loss_mask"][row, offset : offset + unit.prompt] = 0
+        put(row, offset, samples[unit.members[0]], 0, unit.prompt, prompt_index, -1)  # no loss tokens in a prompt
         arrays["advantages"][row, offset : offset + unit.prompt] = 0.0
         offset += unit.prompt
         for i in unit.members:
