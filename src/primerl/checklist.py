@@ -130,6 +130,7 @@ class Step:
     summary: str
     timeout_s: float | None  # None: no fixed limit; the step fails when its child stops making progress
     run: Callable[[Context], str]  # returns the detail of a pass; raises Skip or Fail
+    writes_logs: bool = False  # the step starts children whose logs go to the log directory
 
     def limit(self, stall_timeout_s: float) -> str:
         if self.timeout_s is None:
@@ -353,10 +354,14 @@ STEPS: tuple[Step, ...] = (
     Step("ports", "the ports the run binds are free", 10, check_ports),
     Step("run_dir", "the run directory is writable", 30, check_run_dir),
     Step("model", "model files present with the pinned hashes", 1800, check_model),
-    Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves", None, check_sft_trainer),
-    Step("rl_trainer", f"primerl trainer trains one micro-step of {FAKE_RL_CONFIG} and saves", None, check_rl_trainer),
-    Step("inference", "the inference server answers /health, /v1/models and a chat request", None, check_inference),
-    Step("rl_smoke", "the full RL stack runs the recipe's smoke variant", None, check_rl_smoke),
+    Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves",
+         None, check_sft_trainer, writes_logs=True),
+    Step("rl_trainer", f"primerl trainer trains one micro-step of {FAKE_RL_CONFIG} and saves",
+         None, check_rl_trainer, writes_logs=True),
+    Step("inference", "the inference server answers /health, /v1/models and a chat request",
+         None, check_inference, writes_logs=True),
+    Step("rl_smoke", "the full RL stack runs the recipe's smoke variant",
+         None, check_rl_smoke, writes_logs=True),
 )
 STEP_NAMES = tuple(s.name for s in STEPS)
 
@@ -582,6 +587,9 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
     """Run `steps` in order; never raises for a failing step. The heavy steps' logs go to `log_dir` and are kept;
     without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
     one failed. Their outputs go to a scratch directory removed at the end."""
+    if not any(step.writes_logs for step in steps):  # only light steps: no log directory is made
+        log_dir = log_dir or Path(tempfile.gettempdir())
+        return _run_steps(recipe, run_dir, steps, log_dir, out, stall_timeout_s, keep_log_dir=False)
     try:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -596,7 +604,11 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             shutil.rmtree(scratch_logs, ignore_errors=True)
             report.log_dir = None
         return report
+    return _run_steps(recipe, run_dir, steps, log_dir, out, stall_timeout_s, keep_log_dir=True)
 
+
+def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path, out,
+               stall_timeout_s: float, keep_log_dir: bool) -> ChecklistReport:
     def say(message: str) -> None:
         print(f"        {message}", file=out, flush=True)
 
@@ -609,7 +621,8 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             result = _run_step(step, ctx)
             print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
             results.append(result)
-    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir))
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results,
+                           str(log_dir) if keep_log_dir else None)
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:

@@ -125,7 +125,8 @@ def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cl
     for server in ("inference.0@a", "inference.1@b"):
         log = (run_dir / "logs" / f"{server}.log").read_text()
         assert re.search(r"(generate|chat\S*) \S+ n=\d+ ", log), f"{server} served no request"
-        assert "as policy version 1 " in log, f"{server} never got the weights of step 1"
+        # the third batch needs policy version >= 1; the orchestrator loads the newest published, 1 or 2
+        assert re.search(r"as policy version [12] ", log), f"{server} never got new weights"
     assert_nothing_left(cluster, run_dir)
 
 
