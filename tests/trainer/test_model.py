@@ -6,8 +6,9 @@ import torch
 
 from primerl.config.common import ModelConfig
 from primerl.config.trainer import LoraConfig, TrainingConfig
+from primerl.trainer import model
 from primerl.trainer.dist import DistInfo
-from primerl.trainer.model import build_policy, fused_logprobs, packed_attention_mask
+from primerl.trainer.model import bucket_rows, build_policy, fused_logprobs, packed_attention_mask
 from primerl.transport.rollouts import Sample, pack_samples
 
 
@@ -66,8 +67,11 @@ def test_block_diagonal_mask():
     assert torch.equal(mask, expected)
 
 
+@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded-chunks"])
 @pytest.mark.parametrize("chunk", [1, 4, 100])
-def test_fused_logprobs_value_and_gradient(chunk):
+def test_fused_logprobs_value_and_gradient(chunk, padded, monkeypatch):
+    if padded:  # what the GPU path does around its compiled kernels: chunks padded to bucket sizes
+        monkeypatch.setattr(model, "_kernel", lambda name, fn, device: lambda *args: fn(*args))
     g = torch.Generator().manual_seed(1)
     h = torch.randn(13, 8, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -85,6 +89,33 @@ def test_fused_logprobs_value_and_gradient(chunk):
     torch.testing.assert_close(grads[0], h.grad)
     torch.testing.assert_close(grads[1], w.grad)
     assert not ent.requires_grad
+
+
+def test_compiled_head_compiles_a_few_shapes_whatever_the_token_count(monkeypatch):
+    """Every step has its own number of loss tokens; the compiled chunk kernels see only bucket sizes."""
+    from torch._dynamo.testing import CompileCounter
+
+    counters: dict[str, CompileCounter] = {}
+
+    def counting_kernel(name, fn, device):
+        if name not in counters:
+            counters[name] = CompileCounter()
+            model._compiled[f"count-{name}"] = torch.compile(fn, backend=counters[name], dynamic=False)
+        return model._compiled[f"count-{name}"]
+
+    monkeypatch.setattr(model, "_kernel", counting_kernel)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(11, 8, generator=g, requires_grad=True)
+    for n in (13, 40, 77, 129, 200, 250, 300, 511):
+        h = torch.randn(n, 8, generator=g, requires_grad=True)
+        lp, _ = fused_logprobs(h, w, torch.randint(0, 11, (n,), generator=g), chunk_tokens=256)
+        lp.sum().backward()
+    buckets = {bucket_rows(n - start, 256) for n in (13, 40, 77, 129, 200, 250, 300, 511) for start in (0, 256)
+               if start < n}
+    assert buckets == {128, 256}
+    assert counters["stats"].frame_count == counters["grad"].frame_count == len(buckets)
+    torch._dynamo.reset()
 
 
 def group_samples(prompt_len=7, own=(5, 3, 9, 1), seed=2):

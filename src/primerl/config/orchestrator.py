@@ -185,7 +185,7 @@ class OrchestratorConfig(ProcessConfig):
         "(None: max_async_steps)",
     )
     seed: int = Field(0, description="seed of the task order and of every rollout's sampling seed")
-    weights_poll_s: float = Field(0.2, gt=0, description="how often to look for new weights/step_<k>/")
+    weights_poll_s: float = Field(0.05, gt=0, description="how often to look for new weights/step_<k>/")
     ckpt: OrchestratorCheckpointSection = Field(
         default_factory=OrchestratorCheckpointSection, description="orchestrator checkpoints"
     )

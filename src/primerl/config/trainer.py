@@ -137,7 +137,7 @@ class RolloutDataConfig(Section):
     """Where the RL trainer gets its batches: `<run>/rollouts/step_<n>/`, or generated fake data."""
 
     fake: bool = Field(False, description="train on random sequences instead of waiting for the orchestrator")
-    poll_interval_s: float = Field(0.5, gt=0, description="how often to look for the next batch")
+    poll_interval_s: float = Field(0.05, gt=0, description="how often to look for the next batch (a stat per look)")
     timeout_s: float | None = Field(None, gt=0, description="give up when a batch does not come in time")
     fake_samples: int = Field(8, ge=1, description="fake mode: samples per step")
     fake_sample_tokens: int = Field(64, ge=2, description="fake mode: tokens per sample (half prompt, half completion)")

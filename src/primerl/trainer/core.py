@@ -248,7 +248,8 @@ class Trainer:
             }
             for key, value in stats.items():
                 sums[key] = sums.get(key, 0.0) + value.detach().double()
-        grad_norm = self._clip_gradients()
+        grad_norm = self._clip_gradients()  # reads the norm back: the device has finished the backward here
+        backward_done = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -268,6 +269,7 @@ class Trainer:
             num_tokens=int(num_tokens),
             num_loss_tokens=int(num_loss_tokens),
             step_s=step_s,
+            forward_backward_s=backward_done - start,  # the rest of step_s: optimizer step and metric reductions
             tokens_per_s=num_tokens / step_s,
             tflops_per_device=flops / step_s / world / 1e12,
             mfu=flops / step_s / world / self.peak_flops if self.peak_flops else None,

@@ -55,15 +55,37 @@ def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_
 
 
 _compiled: dict[str, object] = {}
+MIN_BUCKET_ROWS = 128
 
 
 def _kernel(name: str, fn, device: torch.device):
-    """On GPU, the element-wise passes over [chunk, vocab] are fused by torch.compile (memory-bound otherwise)."""
+    """On GPU, the element-wise passes over [chunk, vocab] are fused by torch.compile (memory-bound otherwise). The
+    kernels are compiled for static shapes, so callers pad each chunk to `bucket_rows` (a handful of shapes per run)."""
     if device.type != "cuda":
         return fn
     if name not in _compiled:
         _compiled[name] = torch.compile(fn, dynamic=False)
     return _compiled[name]
+
+
+def bucket_rows(rows: int, chunk: int) -> int:
+    """The row count a chunk of `rows` (<= `chunk`) is padded to for a compiled kernel: the next power of two from
+    MIN_BUCKET_ROWS, at most `chunk`. A step's last chunk has a new length almost every step; without buckets each one
+    recompiles (seconds each) until dynamo's recompile limit, then runs uncompiled."""
+    return min(chunk, max(MIN_BUCKET_ROWS, 1 << (rows - 1).bit_length()))
+
+
+def _chunks(n: int, chunk: int, padded: bool):
+    """(start, end, rows the chunk is computed with) over n rows."""
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        yield start, end, bucket_rows(end - start, chunk) if padded else end - start
+
+
+def _padded(t: Tensor, rows: int) -> Tensor:
+    """`t` with zero rows appended up to `rows` along dim 0, contiguous (the compiled kernels specialise on strides
+    too: an expanded gradient would compile once more)."""
+    return t.contiguous() if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 class _FusedLogprobs(torch.autograd.Function):
@@ -79,13 +101,15 @@ class _FusedLogprobs(torch.autograd.Function):
         w = weight.to(dtype)
         acc = torch.promote_types(dtype, torch.float32)  # softmax statistics: float32 at least
         stats = _kernel("stats", _chunk_stats, hidden.device)
+        pad = stats is not _chunk_stats
         logprobs = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
-        for start in range(0, n, chunk):
-            end = min(start + chunk, n)
-            logits = hidden[start:end].to(dtype) @ w.T
-            logprobs[start:end], entropy[start:end], lse[start:end] = stats(logits, targets[start:end], inv_temp, acc)
+        for start, end, rows in _chunks(n, chunk, pad):
+            logits = _padded(hidden[start:end].to(dtype), rows) @ w.T
+            chunk_stats = stats(logits, _padded(targets[start:end], rows), inv_temp, acc)
+            logprobs[start:end], entropy[start:end], lse[start:end] = (t[: end - start] for t in chunk_stats)
+        ctx.pad = pad
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.inv_temp, ctx.chunk, ctx.dtype = inv_temp, chunk, dtype
         ctx.mark_non_differentiable(entropy)
@@ -99,14 +123,15 @@ class _FusedLogprobs(torch.autograd.Function):
         grad_of_logits = _kernel("grad", _chunk_grad, hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            end = min(start + ctx.chunk, hidden.shape[0])
-            h = hidden[start:end].to(dtype)
+        for start, end, rows in _chunks(hidden.shape[0], ctx.chunk, ctx.pad):
+            h = _padded(hidden[start:end].to(dtype), rows)
             logits = h @ w.T
+            # padded rows get a zero gradient: they add nothing to grad_weight
             grad_logits = grad_of_logits(
-                logits, targets[start:end], lse[start:end], grad_logprobs[start:end].to(lse.dtype), ctx.inv_temp, dtype
+                logits, _padded(targets[start:end], rows), _padded(lse[start:end], rows),
+                _padded(grad_logprobs[start:end].to(lse.dtype), rows), ctx.inv_temp, dtype,
             )
-            grad_hidden[start:end] = grad_logits @ w
+            grad_hidden[start:end] = (grad_logits @ w)[: end - start]
             grad_weight += grad_logits.T @ h
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 

@@ -349,7 +349,7 @@ def read_batch(path: str | os.PathLike, rank: int = 0, world_size: int = 1) -> B
 def wait_for_batch(
     run_dir: str | os.PathLike,
     step: int,
-    poll_interval_s: float = 0.5,
+    poll_interval_s: float = 0.05,
     timeout_s: float | None = None,
     on_wait: Callable[[Path, float], None] | None = None,
     log_every_s: float = 30.0,
