@@ -147,6 +147,9 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
         "rewards": [round(r["reward_mean"], 4) for r in batches],
         "mismatch_kl": [r.get("mismatch_kl") for r in trained],
         "trainer_step_s": [round(r.get("step_s") or 0, 3) for r in trained],
+        "trainer_forward_backward_s": [round(r.get("forward_backward_s") or 0, 3) for r in trained],
+        "trainer_wait_s": [round(r.get("wait_s") or 0, 3) for r in trained],
+        "orchestrator_step_s": [round(r.get("step_s") or 0, 3) for r in batches],
         "weight_handoff_s": [r.get("weights_shared_s") or r.get("weights_broadcast_s") or r.get("weights_export_s")
                              for r in trained],
     }

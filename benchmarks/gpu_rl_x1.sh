@@ -6,6 +6,7 @@
 #
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
 #   bash benchmarks/gpu_rl_x1.sh handoff OUT   # the shared weight handoff alone (Qwen3-0.6B, 3 versions)
+#   bash benchmarks/gpu_rl_x1.sh p1 OUT        # P1 alone: P1_ROUNDS (default 2) alternating pairs, primerl's logs
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
@@ -68,11 +69,11 @@ shutil.copy(f"{src}/generation_config.json", out)
 EOF
 }
 
-p1_round() {  # one primerl/TRL pair on the random SmolLM2, P1-GPU settings
-    local name=$1
+p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolLM2, P1-GPU settings
+    local name=$1 rounds=${2:-1}
     random_smollm2
-    run "$name" 250 python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
-        --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds 1 --steps 10 --prompts-per-step 16 --group 8 \
+    run "$name" $((40 + 210 * rounds)) python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
+        --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds "$rounds" --steps 10 --prompts-per-step 16 --group 8 \
         --new-tokens 128 --seq-len 2048 --max-batch-size 128 --weight-transfer shared --work-dir "/tmp/p1-$name" \
         --out "$out/$name.json"
 }
@@ -95,6 +96,12 @@ handoff)
     run weight_transfer 150 python3 benchmarks/weight_transfer.py --modes shared --repeats 3 \
         --no-nccl-probe --budget-s 140 --logs-dir /tmp/handoff-logs --out "$out/weight_transfer_h200.json"
     tar czf "$out/handoff_logs.tar.gz" -C /tmp handoff-logs
+    ;;
+p1)  # P1 alone: P1_ROUNDS alternating primerl/TRL pairs (default 2), with every primerl run's logs
+    p1_round p1 "${P1_ROUNDS:-2}"
+    for d in /tmp/p1-p1/primerl-*; do
+        [ -d "$d/logs" ] && mkdir -p "$out/p1_logs/${d##*/}" && cp -r "$d/logs" "$d/metrics.jsonl" "$out/p1_logs/${d##*/}/"
+    done
     ;;
 part-0)
     cp .carry/smollm2/part-00 "$carry/" && ls -la "$carry"
