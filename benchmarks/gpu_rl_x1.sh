@@ -99,6 +99,12 @@ handoff)
     ;;
 p1)  # P1 alone: P1_ROUNDS alternating primerl/TRL pairs (default 2), with every primerl run's logs
     p1_round p1 "${P1_ROUNDS:-2}"
+    # the same trainer alone on the GPU (fake batches of the P1 shape: 128 samples x 160 tokens): its step without
+    # an engine sharing the device
+    run trainer_alone 120 python3 -m primerl.cli trainer @ /tmp/p1-p1/primerl-0/config/trainer.toml --data.fake \
+        --data.fake_samples 128 --data.fake_sample_tokens 160 --data.fake_seq_len 2048 --train.max_steps 8 \
+        --weights.transfer filesystem --weights.interval 1000 --run_dir /tmp/trainer-alone
+    cp /tmp/trainer-alone/metrics.jsonl "$out/trainer_alone_metrics.jsonl" 2>/dev/null
     for d in /tmp/p1-p1/primerl-*; do
         [ -d "$d/logs" ] && mkdir -p "$out/p1_logs/${d##*/}" && cp -r "$d/logs" "$d/metrics.jsonl" "$out/p1_logs/${d##*/}/"
     done
