@@ -2,10 +2,11 @@
 
 Each run launches `rl recipes/reverse-text.toml --no-check` (the README's first command; the checklist it runs first is
 timed on its own, below) in a fresh run directory and watches the run: `seconds_to_processes_started` is when `rl`
-prints its devices line (pins verified, manifest written, configs resolved; the three processes start next),
-`seconds_to_inference_serving` the inference
-server's "serving" log line, `seconds_to_first_batch` the first orchestrator record of metrics.jsonl (rollouts/step_0
-published), `seconds_to_first_step` the first trainer record (the first step line `rl` prints). Then the run is
+prints its devices line (pins verified, manifest written, configs resolved; the processes start next),
+`seconds_to_inference_serving` the inference server's "serving" log line, `seconds_to_orchestrator_ready` the
+orchestrator's renderer loaded (rollouts start), `seconds_to_trainer_ready` the trainer waiting for its first batch,
+`seconds_to_first_batch` the first orchestrator record of metrics.jsonl (rollouts/step_0 published),
+`seconds_to_first_step` the first trainer record (the first step line `rl` prints). Then the run is
 stopped (SIGTERM). The model is prepared (converted and cached) and its weights hashed once before the clock starts:
 a warm cache, as on every run after the first. The median of `--repeats` runs is reported, each with the 1-minute load
 average before it. `--checklist` also times `primerl check recipes/reverse-text.toml` (the checklist `rl` runs before
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,15 +52,30 @@ def first_record_times(run_dir: Path) -> dict[str, float]:
     return firsts
 
 
-def serving_time(run_dir: Path) -> float | None:
-    """When the inference server logged that it serves (its log stamps local time to the millisecond)."""
+# Log lines that mark a process's progress to the first step: (log, text in the line, clock format of its stamp).
+# The server and the orchestrator stamp local time to the millisecond, the trainer to the second (no date).
+MILESTONES = {
+    "inference_serving": ("inference", " INFO primerl.inference: serving ", "%Y-%m-%d %H:%M:%S,%f"),
+    "orchestrator_ready": ("orchestrator", "renderer pool:", "%Y-%m-%d %H:%M:%S,%f"),  # its tokenizer loaded
+    "trainer_ready": ("trainer", " INFO waiting for ", "%H:%M:%S"),  # model loaded, waiting for the first batch
+}
+
+
+def milestone_time(run_dir: Path, name: str, day: datetime) -> float | None:
+    """When the first line of a milestone was logged (None: not logged)."""
+    log, text, clock = MILESTONES[name]
     try:
-        lines = (run_dir / "logs" / "inference.log").read_text().splitlines()
+        lines = (run_dir / "logs" / f"{log}.log").read_text(errors="replace").splitlines()
     except OSError:
         return None
     for line in lines:
-        if " INFO primerl.inference: serving " in line:
-            return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        if text in line:
+            stamp = line.split(" ", 2 if clock.startswith("%Y") else 1)
+            stamped = datetime.strptime(" ".join(stamp[:-1]), clock)
+            if not clock.startswith("%Y"):  # the launch's day, or the next one past midnight
+                stamped = datetime.combine(day.date(), stamped.time())
+                stamped += timedelta(days=stamped < day - timedelta(minutes=1))
+            return stamped.timestamp()
     return None
 
 
@@ -88,10 +104,11 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
     finally:
         proc.terminate()  # SIGTERM: `rl` stops its processes (SIGINT is ignored when this runs in the background)
         proc.wait()
-    serving = serving_time(run_dir)
+    day = datetime.fromtimestamp(started)
+    milestones = {name: milestone_time(run_dir, name, day) for name in MILESTONES}
     return {
         "seconds_to_processes_started": round(launched[0] - started, 2) if launched else None,
-        "seconds_to_inference_serving": round(serving - started, 2) if serving else None,
+        **{f"seconds_to_{name}": round(at - started, 2) if at else None for name, at in milestones.items()},
         "seconds_to_first_batch": round(firsts["orchestrator"] - started, 2),
         "seconds_to_first_step": round(firsts["trainer"] - started, 2),
         "load_average_1m_before": load,

@@ -1,11 +1,13 @@
 """The launcher's child processes: logs, stopping (politely, then by force), dying with the launcher; the process
 plan of `rl` for each device layout (commands and environments, without starting anything); torchrun's teardown."""
 
+import http.server
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -143,6 +145,34 @@ def test_each_process_gets_its_gpus_and_the_trainer_one_rank_per_gpu(tmp_path, n
         assert {k: p.env[k] for k in MULTICAST_OFF} == MULTICAST_OFF
     assert processes["inference"].env["PRIMERL_ADMIN_TOKEN"] == processes["orchestrator"].env["PRIMERL_ADMIN_TOKEN"]
     assert "PRIMERL_ADMIN_TOKEN" not in processes["trainer"].env
+
+
+def test_on_the_cpu_the_trainer_starts_once_the_server_answers_health(tmp_path):
+    assert all(p.start_when is None for p in plan(tmp_path / "gpus", 2).values())  # GPUs: all three start at once
+    processes = plan(tmp_path, 0)
+    assert processes["inference"].start_when is None and processes["orchestrator"].start_when is None
+    start_trainer = processes["trainer"].start_when
+    port = load(InferenceConfig, ["@", str(tmp_path / "run" / "config" / "inference.toml")])[0].port
+    assert not start_trainer()  # nothing listens on the server's port yet
+    health = {"status": 503}  # what /health answers: 503 while the engine loads, 200 once it serves
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(health["status"] if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert not start_trainer()
+        health["status"] = 200
+        assert start_trainer()
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_gpus_are_named_as_in_the_launchers_cuda_visible_devices(tmp_path):

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,13 +92,15 @@ def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars:
 
 @dataclass
 class ManagedProcess:
-    """One named child process with its log file."""
+    """One named child process with its log file. With `start_when`, a launcher starts it only once that returns True
+    (until then it counts as running, and `stop_all` passes it by)."""
 
     name: str
     argv: Sequence[str]
     log_path: Path
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
+    start_when: Callable[[], bool] | None = field(default=None, repr=False)
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -148,8 +150,8 @@ class ManagedProcess:
 
 def stop_all(processes: Sequence[ManagedProcess], grace_s: float, first_signal: int = signal.SIGINT) -> None:
     """Send `first_signal` to every running process, wait up to `grace_s` seconds for all of them, then SIGKILL the
-    groups of those still running, and reap them."""
-    running = [p for p in processes if p.poll() is None]
+    groups of those still running, and reap them. A process never started is passed by."""
+    running = [p for p in processes if p.popen is not None and p.poll() is None]
     for p in running:
         p.signal_group(first_signal)
     deadline = time.monotonic() + grace_s

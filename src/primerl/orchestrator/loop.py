@@ -322,6 +322,7 @@ class Orchestrator:
         self.extra_groups_used = 0
         self.failed_in_a_row = 0
         self.in_flight: set[int] = set()  # draw indices of groups not yet consumed (running, or waiting in `ready`)
+        self.batches_written = 0  # by this process (a resumed run's first batch is again the one the trainer awaits)
         # throughput of this process's life (a resumed run starts counting again)
         self.generation_started = time.monotonic()
         self.rollouts_this_run = 0
@@ -398,7 +399,7 @@ class Orchestrator:
         cfg = self.cfg.batch
         budget = self.bound.launch_budget(
             self.policy.version, self.progress.next_step, cfg.tasks_per_step, len(self.pending), len(self.ready),
-            cfg.max_concurrent_groups,
+            cfg.max_concurrent_groups, first_batch=not self.batches_written,
         )
         if self.max_steps_left is not None:  # never start groups for steps the run will not have
             budget = min(budget, max(0, self.max_steps_left * cfg.tasks_per_step - len(self.pending) - len(self.ready)))
@@ -501,6 +502,7 @@ class Orchestrator:
         meta = json.loads((path / batches.META_FILE).read_text())
         write_s = time.monotonic() - write_started
         self.progress = after
+        self.batches_written += 1
         if self.progress.next_step % cfg.ckpt.interval == 0 or self.progress.next_step == cfg.max_steps:
             save_progress(self.run_dir, self.progress, cfg.ckpt.keep_last)
         record = self._step_metrics(step, groups, samples, meta, write_s)

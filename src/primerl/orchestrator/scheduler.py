@@ -38,15 +38,19 @@ class PolicyBound:
         return oldest_version >= step - self.off_policy_limit
 
     def launch_budget(
-        self, version: int, next_step: int, tasks_per_step: int, in_flight: int, ready: int, max_in_flight: int | None
+        self, version: int, next_step: int, tasks_per_step: int, in_flight: int, ready: int, max_in_flight: int | None,
+        first_batch: bool = False,
     ) -> int:
         """How many more groups may start now.
 
         Groups are counted against the steps `version` may generate for (`next_step` .. `last_step(version)`):
         groups in flight plus finished groups waiting for a batch must not exceed what those steps take, and at most
-        `max_in_flight` run at once.
+        `max_in_flight` run at once. While the run's `first_batch` is not yet written only its step is open: the
+        trainer has nothing to do before it, and groups of later steps would share the engine with it.
         """
         steps_open = self.last_step(version) - next_step + 1
+        if first_batch:
+            steps_open = min(steps_open, 1)
         budget = max(0, steps_open * tasks_per_step - in_flight - ready)
         if max_in_flight is not None:
             budget = min(budget, max(0, max_in_flight - in_flight))
