@@ -1,5 +1,5 @@
-"""The README's first command as a user runs it: `rl recipes/reverse-text.toml` (checklist, then 20 RL steps on the
-embedded SmolLM2-135M-Instruct), timed from launch to exit, with the reward curve it produced.
+"""The README's first command as a user runs it: `rl recipes/reverse-text.toml` (checklist, then the recipe's RL
+steps on the embedded SmolLM2-135M-Instruct), timed from launch to exit, with the reward curve it produced.
 
 Runs the recipe in a fresh run directory (`--run-dir`, default a temporary one), reads the orchestrator's records of
 metrics.jsonl (mean reward of each step's rollouts) and the checklist's report, and reports: wall time,
