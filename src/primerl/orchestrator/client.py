@@ -8,7 +8,8 @@ Contract:
 - Idempotent calls are retried on transport errors with backoff, within `retry_s` in all: `GET /health`, and
   `POST /admin/update_weights` (the server answers a snapshot it already serves without loading it again). After
   that, one error names the server, the call and the last failure.
-- verifiers' model calls (the renderer client inside its interception server) get the same pool settings and retry
+- Every connection goes through `AiohttpTransport` (httpx's API on aiohttp's pool: no per-request scan of the pool).
+- verifiers' model calls (the renderer client inside its interception server) get the same transport and retry
   connection errors (a request that never reached the server is safe to send again; one that did is aborted by the
   server when its connection closes): `install_model_client_transport()`.
 - Several servers: groups go to the least-loaded server; each weight version is loaded into every server; the policy
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
 
+import aiohttp
 import httpx
 
 from primerl.orchestrator.versions import TOKEN_VERSIONS
@@ -42,15 +44,82 @@ class InferenceUnavailable(RuntimeError):
     """A server stayed unreachable (or kept failing) for longer than the retry budget."""
 
 
-def pool_limits() -> httpx.Limits:
-    return httpx.Limits(max_connections=1000, max_keepalive_connections=200, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+MAX_CONNECTIONS = 1000
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """httpx's client API over aiohttp's connection pool, for plain-HTTP servers.
+
+    httpcore's pool scans every connection it holds (a readability poll on each socket) whenever a request starts or
+    a response closes: with a hundred rollouts in flight that was the largest CPU cost of a model call in the
+    orchestrator (see `benchmarks/NOTES.md`). aiohttp hands out an idle connection without a scan. Idle connections
+    are closed after `KEEPALIVE_EXPIRY_S`; no TLS context is built (plain HTTP only). Transport failures surface as
+    httpx's (`httpx.ConnectError`, `httpx.ReadError`, `httpx.ReadTimeout`, ...), so retries written against httpx keep
+    working; response bodies stream, so a hook may read one before its caller does."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=MAX_CONNECTIONS, keepalive_timeout=KEEPALIVE_EXPIRY_S, ssl=False)
+            # httpx decodes the body by its Content-Encoding, so aiohttp must hand it over as sent
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return self._session
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.scheme != "http":
+            raise httpx.UnsupportedProtocol(f"AiohttpTransport serves plain http, not {request.url.scheme}")
+        limits = request.extensions.get("timeout", {})
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=limits.get("connect"), sock_read=limits.get("read"), connect=limits.get("pool"),
+        )
+        try:
+            response = await self._open().request(
+                request.method, str(request.url), headers=request.headers.multi_items(), data=await request.aread(),
+                timeout=timeout, allow_redirects=False, skip_auto_headers=("Accept-Encoding", "User-Agent"),
+            )
+        except aiohttp.ConnectionTimeoutError as error:
+            raise httpx.ConnectTimeout(f"no connection within the timeout: {error}", request=request) from error
+        except TimeoutError as error:
+            raise httpx.ReadTimeout(f"no answer within the read timeout: {error}", request=request) from error
+        except aiohttp.ClientConnectorError as error:
+            raise httpx.ConnectError(str(error), request=request) from error
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ClientResponseError) as error:
+            raise httpx.ReadError(f"{type(error).__name__}: {error}", request=request) from error
+        return httpx.Response(
+            response.status, headers=response.raw_headers, stream=_ResponseBody(response, request), request=request,
+            extensions={"http_version": b"HTTP/1.1"},
+        )
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class _ResponseBody(httpx.AsyncByteStream):
+    def __init__(self, response: aiohttp.ClientResponse, request: httpx.Request) -> None:
+        self._response = response
+        self._request = request
+
+    async def __aiter__(self):
+        try:
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+        except TimeoutError as error:
+            raise httpx.ReadTimeout("no answer within the read timeout", request=self._request) from error
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            raise httpx.ReadError(f"{type(error).__name__}: {error}", request=self._request) from error
+
+    async def aclose(self) -> None:
+        self._response.release()
 
 
 def build_http(base_url: str, timeout_s: float) -> httpx.AsyncClient:
-    """An async client for plain-HTTP servers: the pool settings above and no TLS context (building one loads the CA
-    bundle, tens of milliseconds of CPU, which per rollout was the orchestrator's largest single cost)."""
+    """An async client for plain-HTTP servers on `AiohttpTransport` (no TLS context: building one loads the CA
+    bundle, tens of milliseconds of CPU, which per rollout was once the orchestrator's largest single cost)."""
     return httpx.AsyncClient(
-        base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), limits=pool_limits(), verify=False
+        base_url=base_url, timeout=httpx.Timeout(timeout_s, connect=10.0), transport=AiohttpTransport()
     )
 
 
@@ -198,8 +267,8 @@ class InferencePool:
 
 
 def install_model_client_transport(request_timeout_s: float | None = None) -> None:
-    """Give the model clients that verifiers' interception servers build (one per endpoint config) primerl's pool
-    settings, `MODEL_CALL_RETRIES` retries of connection errors and, with `request_timeout_s`, a bound on how long
+    """Give the model clients that verifiers' interception servers build (one per endpoint config) primerl's
+    transport (`AiohttpTransport`), `MODEL_CALL_RETRIES` retries of connection errors and, with `request_timeout_s`, a bound on how long
     one model call may go without an answer (verifiers waits forever by default: a server that stops answering
     would hang the run silently); every token-route answer they receive goes to `versions.TOKEN_VERSIONS` (the
     per-token policy versions the renderer client drops). verifiers builds them with a 5 s keep-alive expiry, no retries and a TLS context;
@@ -224,7 +293,7 @@ def install_model_client_transport(request_timeout_s: float | None = None) -> No
                 default_headers=dict(sdk._custom_headers) or None,
                 max_retries=MODEL_CALL_RETRIES,
                 http_client=httpx.AsyncClient(
-                    timeout=timeout, limits=pool_limits(), verify=False,
+                    timeout=timeout, transport=AiohttpTransport(),
                     event_hooks={"response": [TOKEN_VERSIONS.on_response]},
                 ),
             )

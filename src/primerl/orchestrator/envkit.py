@@ -22,21 +22,18 @@ import asyncio
 import hashlib
 import inspect
 import json
-import weakref
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+import aiohttp
 import verifiers.v1 as vf
-from openai import APIError, AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult
 from verifiers.v1.runtimes.docker.egress import _CALLBACK_PREFIX as CALLBACK_PREFIX
-
-from primerl.orchestrator.client import pool_limits
 
 
 class DataIntegrityError(RuntimeError):
@@ -107,19 +104,45 @@ class Tool:
             return f"error: {error}"
 
 
-_INTERCEPTION_HTTP: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
-    weakref.WeakKeyDictionary()
-)
+INTERCEPTION_ATTEMPTS = 4
+"""Tries of one model call when the connection to the interception endpoint fails (each with the same
+`Idempotency-Key`, so the endpoint answers a retry of a call it already took with that call's turn, never a second)."""
 
 
-def _interception_http() -> httpx.AsyncClient:
-    """One HTTP client per event loop for every rollout's calls to its interception endpoint (plain HTTP on this
-    host): a client per rollout would build a TLS context each time, which cost more CPU than the rest of a rollout."""
-    loop = asyncio.get_running_loop()
-    client = _INTERCEPTION_HTTP.get(loop)
-    if client is None or client.is_closed:
-        client = _INTERCEPTION_HTTP[loop] = httpx.AsyncClient(timeout=None, limits=pool_limits(), verify=False)
-    return client
+class InterceptionCallFailed(Exception):
+    """A model call the interception endpoint refused (an HTTP error: a stop condition, a failed upstream call), or
+    could not be reached after `INTERCEPTION_ATTEMPTS` tries."""
+
+
+async def complete(http: aiohttp.ClientSession, url: str, secret: str, request: dict[str, Any]) -> dict[str, Any]:
+    """POST one chat-completions `request` to the interception endpoint `url` and return the assistant message.
+
+    A plain aiohttp call rather than the OpenAI SDK: the harness and the interception server share this process's
+    event loop, and the SDK's client construction, request transformation, response models and httpx's connection
+    pool cost more CPU per rollout than the rest of the hop. Connection failures (the connection reset, the request
+    body or the answer cut off) are retried with the same body and `Idempotency-Key`: verifiers' interception server
+    then coalesces the retry onto the call it is already serving, or replays the answer it already gave, so a turn is
+    never sampled or recorded twice."""
+    body = json.dumps(request).encode()
+    headers = {
+        "Authorization": f"Bearer {secret}", "Content-Type": "application/json", "Idempotency-Key": uuid.uuid4().hex,
+    }
+    for attempt in range(1, INTERCEPTION_ATTEMPTS + 1):
+        try:
+            async with http.post(url, data=body, headers=headers) as response:
+                answer = await response.read()
+                status = response.status
+            break
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+            if attempt == INTERCEPTION_ATTEMPTS:
+                raise InterceptionCallFailed(
+                    f"interception endpoint unreachable after {attempt} tries: {type(error).__name__}: {error}"
+                ) from error
+            await asyncio.sleep(0.05 * attempt)
+    if status >= 400:
+        raise InterceptionCallFailed(f"HTTP {status}: {answer.decode(errors='replace')}")
+    message = json.loads(answer)["choices"][0]["message"]
+    return {key: value for key, value in message.items() if value is not None}
 
 
 def in_process_endpoint(endpoint: str, runtime: vf.Runtime) -> str:
@@ -180,43 +203,43 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.extend(message_to_wire(message) for message in prompt)
         tools = {tool.name: tool for tool in [*self.tools(), *self.runtime_tools(runtime)]}
         specs = [tool.spec() for tool in tools.values()]
-        client = AsyncOpenAI(
-            base_url=in_process_endpoint(endpoint, runtime), api_key=secret, max_retries=0,
-            http_client=_interception_http(),
-        )
-        try:
-            await self._chat(client, ctx.model, messages, tools, specs)
-        except APIError as error:
-            # The interception refused or failed the call; the trace says why (a stop condition, or the error).
-            return ProgramResult(exit_code=1, stdout="", stderr=f"{type(error).__name__}: {error}")
+        url = f"{in_process_endpoint(endpoint, runtime).rstrip('/')}/chat/completions"
+        # One connection per rollout, closed with it: no pooled connection outlives its rollout, so none is reused
+        # after the interception server has closed it.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as http:
+            try:
+                await self._chat(http, url, secret, ctx.model, messages, tools, specs)
+            except InterceptionCallFailed as error:
+                # The interception refused or failed the call; the trace says why (a stop condition, or the error).
+                return ProgramResult(exit_code=1, stdout="", stderr=f"{type(error).__name__}: {error}")
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
     async def _chat(
         self,
-        client: AsyncOpenAI,
+        http: aiohttp.ClientSession,
+        url: str,
+        secret: str,
         model: str,
         messages: list[dict[str, Any]],
         tools: dict[str, Tool],
         specs: list[dict[str, Any]],
     ) -> None:
         for _ in range(self.config.max_tool_rounds + 1):
-            completion = await client.chat.completions.create(
-                model=model, messages=messages, **({"tools": specs} if specs else {})
+            message = await complete(
+                http, url, secret, {"model": model, "messages": messages, **({"tools": specs} if specs else {})}
             )
-            message = completion.choices[0].message
-            messages.append(message.model_dump(exclude_none=True))
-            if not message.tool_calls:
+            messages.append(message)
+            if not message.get("tool_calls"):
                 return
-            for call in message.tool_calls:
-                tool = tools.get(call.function.name)
+            for call in message["tool_calls"]:
+                name, arguments = call["function"]["name"], call["function"].get("arguments")
+                tool = tools.get(name)
                 content = (
-                    await tool.call(call.function.arguments)
+                    await tool.call(arguments)
                     if tool is not None
-                    else f"error: unknown tool {call.function.name!r}; available: {', '.join(tools) or 'none'}"
+                    else f"error: unknown tool {name!r}; available: {', '.join(tools) or 'none'}"
                 )
-                messages.append(
-                    {"role": "tool", "tool_call_id": call.id, "name": call.function.name, "content": content}
-                )
+                messages.append({"role": "tool", "tool_call_id": call["id"], "name": name, "content": content})
 
 
 class ShellHarnessConfig(ChatHarnessConfig):

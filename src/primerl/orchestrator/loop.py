@@ -41,6 +41,7 @@ from primerl.monitor import MetricsLogger
 from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
 from primerl.orchestrator.client import InferencePool, install_model_client_transport
+from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
@@ -335,6 +336,7 @@ class Orchestrator:
                      "flight)", self.progress.next_step, self.progress.tasks_drawn, len(self.progress.tasks_in_flight))
         renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
         install_model_client_transport(cfg.client.request_timeout_s)
+        cache_default_factory_checks()
         urls = cfg.client.urls
         self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
         warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
