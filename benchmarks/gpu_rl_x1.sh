@@ -74,7 +74,8 @@ p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolL
     random_smollm2
     run "$name" $((40 + 210 * rounds)) python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
         --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds "$rounds" --steps 10 --prompts-per-step 16 --group 8 \
-        --new-tokens 128 --seq-len 2048 --max-batch-size 128 --weight-transfer shared --work-dir "/tmp/p1-$name" \
+        --new-tokens 128 --seq-len "${P1_SEQ_LEN:-2048}" --max-batch-size 128 --weight-transfer shared \
+        --work-dir "/tmp/p1-$name" ${P1_SKIP_TRL:+--skip-trl} \
         --out "$out/$name.json"
 }
 

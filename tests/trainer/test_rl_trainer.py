@@ -131,3 +131,11 @@ def test_lora_trains_adapters_and_exports_merged_weights(tmp_path):
     assert not torch.equal(initial.get_parameter(q), reloaded.get_parameter(q))  # adapters merged in
     emb = "model.embed_tokens.weight"
     assert torch.equal(initial.get_parameter(emb), reloaded.get_parameter(emb))  # frozen base
+
+
+def test_auto_micro_batches_hold_a_fixed_token_budget_on_a_gpu_and_one_row_on_the_cpu():
+    from primerl.trainer.core import AUTO_MICRO_BATCH_TOKENS, auto_micro_batch_rows
+
+    assert auto_micro_batch_rows(512, torch.device("cpu")) == 1
+    assert auto_micro_batch_rows(2048, torch.device("cuda")) == AUTO_MICRO_BATCH_TOKENS // 2048
+    assert auto_micro_batch_rows(4 * AUTO_MICRO_BATCH_TOKENS, torch.device("cuda")) == 1

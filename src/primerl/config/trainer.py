@@ -17,7 +17,10 @@ class TrainingConfig(Section):
     """How the model is trained: steps, micro-batches, device, attention kernel, memory/speed switches."""
 
     max_steps: int | None = Field(None, ge=1, description="stop after this many optimizer steps (None: RL runs on)")
-    micro_batch_rows: int = Field(1, ge=1, description="packed rows per forward/backward pass on each rank")
+    micro_batch_rows: int | None = Field(
+        None, ge=1, description="packed rows per forward/backward pass on each rank (None: 1 on CPU; on a GPU as many "
+        "as hold 16,384 tokens)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available")
     attention: Attention = Field(
         "auto",
