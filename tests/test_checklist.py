@@ -109,7 +109,7 @@ def test_scratch_logs_are_removed_after_a_pass_and_kept_and_named_after_a_failur
     out = io.StringIO()
     run_checklist(None, tmp_path / "run", [Step("fine", "passes", 5, lambda ctx: "ok")], out=out)
     assert not list(tmp_path.glob("primerl-checklist-logs-*")) and "checklist logs" not in out.getvalue()
-    run_checklist(None, tmp_path / "run", [Step("failing", "fails", 5, fails)], out=out)
+    run_checklist(None, tmp_path / "run", [Step("failing", "fails", 5, fails, writes_logs=True)], out=out)
     (kept,) = tmp_path.glob("primerl-checklist-logs-*")
     assert (kept / "failing.log").read_text() == "what went wrong"
     assert f"checklist logs: {kept}" in out.getvalue()
