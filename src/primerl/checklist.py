@@ -588,8 +588,9 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
     without one, to a temporary directory that is removed when every step passed or was skipped and kept, named, when
     one failed. Their outputs go to a scratch directory removed at the end."""
     if not any(step.writes_logs for step in steps):  # only light steps: no log directory is made
-        log_dir = log_dir or Path(tempfile.gettempdir())
-        return _run_steps(recipe, run_dir, steps, log_dir, out, stall_timeout_s, keep_log_dir=False)
+        report = _run_steps(recipe, run_dir, steps, Path(tempfile.gettempdir()), out, stall_timeout_s)
+        report.log_dir = None
+        return report
     try:
         if log_dir is not None:
             log_dir.mkdir(parents=True, exist_ok=True)
@@ -604,11 +605,11 @@ def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], l
             shutil.rmtree(scratch_logs, ignore_errors=True)
             report.log_dir = None
         return report
-    return _run_steps(recipe, run_dir, steps, log_dir, out, stall_timeout_s, keep_log_dir=True)
+    return _run_steps(recipe, run_dir, steps, log_dir, out, stall_timeout_s)
 
 
 def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path, out,
-               stall_timeout_s: float, keep_log_dir: bool) -> ChecklistReport:
+               stall_timeout_s: float) -> ChecklistReport:
     def say(message: str) -> None:
         print(f"        {message}", file=out, flush=True)
 
@@ -621,8 +622,7 @@ def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_
             result = _run_step(step, ctx)
             print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
             results.append(result)
-    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results,
-                           str(log_dir) if keep_log_dir else None)
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir))
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:
