@@ -183,9 +183,12 @@ async def benchmark(args: argparse.Namespace) -> dict:
         else:
             model_dir, model_label = resolve_model(args.model), args.model
         engine = HFEngine(
-            model_dir, device=str(device), dtype=args.dtype, max_batch_size=args.batch, cuda_graphs=args.cuda_graphs
+            model_dir, device=str(device), dtype=args.dtype, max_batch_size=args.batch, cuda_graphs=args.cuda_graphs,
+            compile=args.compile,
         )
+        started = time.perf_counter()
         await engine.start()
+        start_s = time.perf_counter() - started
         model = engine.model  # the same weights serve HF generate
         prompts = make_prompts(args.batch, model.config.vocab_size)
         total = args.batch * args.new_tokens
@@ -229,6 +232,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         dtype=args.dtype,
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         cuda_graphs=engine.cuda_graphs,
+        compile=engine.compile,
+        engine_start_s=round(start_s, 1),
         decode_steps=args.decode_steps,
         commit=os.environ.get("PRIMERL_COMMIT") or _commit(),
         runs_tok_s={name: [round(v, 1) for v in values] for name, values in runs.items()},
@@ -260,6 +265,12 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=None,
         help="capture decode steps as CUDA graphs (default: on for CUDA)",
+    )
+    parser.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="torch.compile the decode step (default: on for CUDA); engine_start_s includes the compile",
     )
     parser.add_argument("--generate-batch", action="store_true", help="also time transformers' generate_batch")
     parser.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[DEFAULT_DECODE_STEPS],

@@ -75,6 +75,12 @@ class InferenceConfig(ProcessConfig):
         description="hf engine: decode steps run back to back on the device, sampling included, before the host "
         "looks at the tokens (1 = one step at a time; rows with top_p < 1 or top_k always go one step at a time)",
     )
+    compile: bool | None = Field(
+        None,
+        description="hf engine: torch.compile the decode step (fused kernels, then captured in CUDA graphs); "
+        "None = on for CUDA, off for CPU. The first compile takes tens of seconds at start; later starts read "
+        "torch's compile cache",
+    )
     max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
     max_concurrent_requests: int = Field(
         1024, ge=1, description="completion requests in flight at most; more are refused at once with 429"

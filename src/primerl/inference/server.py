@@ -716,6 +716,7 @@ def build_engine(cfg: InferenceConfig) -> Engine:
         max_batch_size=cfg.max_batch_size,
         max_model_len=cfg.max_model_len,
         decode_steps=cfg.decode_steps,
+        compile=cfg.compile,
         threads=cfg.threads,
         seed=cfg.seed,
     )

@@ -35,6 +35,9 @@ class Decoder(ABC):
     def weights_changed(self) -> None:
         """Called after the model's parameters were overwritten in place."""
 
+    def warm_up(self) -> None:
+        """Do the one-time work of the first decode step (compiling it) now, before the engine serves."""
+
     def decode_many(
         self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:

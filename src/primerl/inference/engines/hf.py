@@ -69,7 +69,8 @@ class HFEngine(Engine):
     `model` is a local model directory or a name `primerl.models.resolve_model` knows. `device`/`dtype` "auto" pick
     CUDA + bfloat16 when a GPU is present, else CPU + float32. `max_batch_size` rows decode together; more requests
     wait. `decoder` "fast" uses the static-KV-cache decoder (Llama/Qwen families), "reference" the uncached HF
-    forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps.
+    forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps;
+    `compile` (default: on for CUDA) compiles the fast decoder's decode step first, at start.
     `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
     them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
     their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `seed` seeds the
@@ -88,6 +89,7 @@ class HFEngine(Engine):
         max_prefill_tokens: int = 8192,
         decoder: DecoderKind = "auto",
         cuda_graphs: bool | None = None,
+        compile: bool | None = None,
         decode_steps: int = 8,
         threads: int | None = None,
         seed: int | None = None,
@@ -108,6 +110,7 @@ class HFEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self.decoder_kind = decoder
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.compile = self.device.type == "cuda" if compile is None else compile
         self.decode_steps = decode_steps
         self.policy_version = 0
         self._seeds = random.Random(seed)
@@ -152,6 +155,11 @@ class HFEngine(Engine):
         model_limit = self.model.config.max_position_embeddings
         self.max_model_len = min(self.requested_max_model_len or model_limit, model_limit)
         self.decoder = self._build_decoder()
+        if getattr(self.decoder, "compiled", False):
+            log.info("compiling the decode step (tens of seconds the first time; torch's compile cache keeps it)")
+            started = time.monotonic()
+            self.decoder.warm_up()
+            log.info("decode step compiled in %.1f s", time.monotonic() - started)
 
     def _build_decoder(self) -> Decoder:
         if self.decoder_kind == "reference":
@@ -159,7 +167,9 @@ class HFEngine(Engine):
         from primerl.inference.engines.llama import LlamaDecoder
 
         if LlamaDecoder.supports(self.model):
-            return LlamaDecoder(self.model, self.max_batch_size, self.max_model_len, cuda_graphs=self.cuda_graphs)
+            return LlamaDecoder(
+                self.model, self.max_batch_size, self.max_model_len, cuda_graphs=self.cuda_graphs, compile=self.compile
+            )
         if self.decoder_kind == "fast":
             raise ValueError(f"no fast decoder for model type {self.model.config.model_type!r}; use 'reference'")
         return ReferenceDecoder(self.model, self.max_batch_size)

@@ -9,6 +9,11 @@ The KV cache is one tensor per layer, [rows, kv_heads, capacity, head_dim]; capa
 sequences grow. A decode step attends to the first `span` positions of rows 0..n-1, `span` a power of two that
 covers the longest row, so its shapes are static per (row bucket, span): on CUDA each such shape is captured once
 as a CUDA graph and replayed, which removes the per-kernel launch cost that bounds small-batch decode.
+
+With `compile`, the decode forward goes through torch.compile once (dynamic shapes: one compiled program serves every
+row bucket, span and cache capacity) before it is captured: the norms, rotary embedding, attention softmax, SwiGLU
+and residual adds of a layer fuse into a few kernels, where the eager step launches ~45 small kernels per layer, each
+near the GPU's launch floor even inside a graph.
 """
 
 from __future__ import annotations
@@ -66,6 +71,36 @@ class _Projection:
         return F.linear(x, self.weight, self.bias)
 
 
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """Attention of one query per row, q [B, heads, 1, D], over keys/values [B, kv_heads, S, D] where `visible`
+    [B, 1, 1, S]; heads h*g..h*g+g-1 share kv head h (grouped-query), without repeating the keys and values. The
+    scores and softmax are float32, the products in the model's dtype (as SDPA does)."""
+    batch, heads, _, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim**-0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, heads, 1, dim)
+
+
+def _compiled(function):
+    """torch.compile `function` for dynamic shapes. Duck sizing is off while it compiles: sizes equal at the first
+    call (the row bucket and the cache's rows, the span and the cache's capacity) would otherwise be assumed equal,
+    and the first call where they differ would compile again."""
+    import torch.fx.experimental._config as fx_config
+
+    compiled = torch.compile(function, dynamic=True, fullgraph=True)
+
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args)
+
+    return call
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
 
@@ -85,7 +120,9 @@ class LlamaDecoder(Decoder):
             and not getattr(config, "mlp_bias", False)
         )
 
-    def __init__(self, model: PreTrainedModel, max_rows: int, max_len: int, cuda_graphs: bool = False):
+    def __init__(
+        self, model: PreTrainedModel, max_rows: int, max_len: int, cuda_graphs: bool = False, compile: bool = False
+    ):
         config = model.config
         self.model = model
         self.max_rows = max_rows
@@ -122,7 +159,13 @@ class LlamaDecoder(Decoder):
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.cuda_graphs = cuda_graphs and self.device.type == "cuda"
-        self.row_buckets = sorted({*(2**i for i in range(4) if 2**i < max_rows), *range(8, max_rows, 8), max_rows})
+        # compiled: no bucket of one row, which torch.compile would specialise on (a second compile)
+        smallest = 2 if compile and max_rows > 1 else 1
+        self.row_buckets = sorted(
+            {*(2**i for i in range(4) if smallest <= 2**i < max_rows), *range(8, max_rows, 8), max_rows}
+        )
+        self.compiled = compile
+        self._decode_forward = _compiled(self._eager_decode_forward) if compile else self._eager_decode_forward
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if self.cuda_graphs:
@@ -162,6 +205,15 @@ class LlamaDecoder(Decoder):
     def weights_changed(self) -> None:
         for projection in (self.lm_head, *(p for layer in self.projections for p in layer.values())):
             projection.refresh()
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the decode step (with `compile`; a no-op otherwise) by decoding two rows of token 0 at position 0:
+        rows that prefill overwrites before they are used."""
+        if self.compiled:
+            self.decode([0] * min(2, self.max_rows), [0] * min(2, self.max_rows))
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -239,20 +291,20 @@ class LlamaDecoder(Decoder):
 
     # ------------------------------------------------------------------------------------------------- decode
 
-    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def _eager_decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One token per row for rows 0..len(tokens)-1, attending to positions < min(position + 1, span)."""
         rows = tokens.shape[0]
+        capacity = self.k_cache[0].shape[2]
         visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
         # flat index of (row, kv head, position) in a cache viewed as [rows * kv_heads * capacity, head_dim]
         heads = torch.arange(rows * self.num_kv_heads, device=self.device)
-        slots = heads * self.capacity + positions.repeat_interleave(self.num_kv_heads)
+        slots = heads * capacity + positions.repeat_interleave(self.num_kv_heads)
 
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
             k_cache.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
             v_cache.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
-            keys, values = k_cache[:rows, :, :span], v_cache[:rows, :, :span]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+            return _decode_attention(q, k_cache[:rows, :, :span], v_cache[:rows, :, :span], visible)
 
         return self._logits(self._forward(tokens[:, None], positions[:, None], attend)[:, 0])
 
@@ -353,20 +405,21 @@ class LlamaDecoder(Decoder):
         return graph
 
 
-def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -> None:
+def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24, compile: bool = False) -> None:
     """The fast decoder's greedy tokens must equal the uncached reference's, for rows of different lengths decoded
-    together (with rows retiring mid-way, which moves rows; two rows share a prompt, which prefill runs once) and, on
-    CUDA, through captured graphs."""
+    together (with rows retiring mid-way, which moves rows; two rows share a prompt, which prefill runs once), on
+    CUDA through captured graphs, and with `compile` through the compiled decode step."""
     from transformers import AutoModelForCausalLM
 
     from primerl.inference.engines.decoders import ReferenceDecoder
     from primerl.models import resolve_model
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32).to(device).eval()
+    graphs = device.startswith("cuda")
     prompts = [[1, 17, 45, 300, 12], [1, 99], [1, *range(5, 40)], [1, 512, 3], [1, 99]]
     rows_max = len(prompts)
     outputs = []
-    for decoder in (ReferenceDecoder(model, rows_max), LlamaDecoder(model, rows_max, 256, cuda_graphs=device.startswith("cuda"))):
+    for decoder in (ReferenceDecoder(model, rows_max), LlamaDecoder(model, rows_max, 256, cuda_graphs=graphs, compile=compile)):
         sequences = [list(p) for p in prompts]
         rows = list(range(len(prompts)))  # rows[i] = prompt index decoded in row i
         tokens = decoder.prefill(0, prompts).argmax(-1).tolist()
@@ -382,7 +435,7 @@ def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -
         outputs.append(sequences)
     assert outputs[0] == outputs[1], f"fast decoder differs from the reference:\n{outputs[0]}\n{outputs[1]}"
     # several steps per call, sampling on the device (greedy rows), through the sampling graphs on CUDA
-    fast = LlamaDecoder(model, rows_max, 256, cuda_graphs=device.startswith("cuda"))
+    fast = LlamaDecoder(model, rows_max, 256, cuda_graphs=graphs, compile=compile)
     chained = [list(p) for p in prompts]
     tokens = fast.prefill(0, prompts).argmax(-1).tolist()
     for _ in range(3):
@@ -404,10 +457,10 @@ def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24) -
         tokens = reference.decode(tokens, [len(s) - 1 for s in expected]).argmax(-1).tolist()
     assert chained == expected, f"chained decode differs from the reference:\n{expected}\n{chained}"
     print(f"ok: fast greedy decode equals the uncached reference ({model_name}, {device}, {steps} steps, "
-          f"one step and {steps // 3} steps per call)")
+          f"one step and {steps // 3} steps per call{', compiled' if compile else ''})")
 
 
 if __name__ == "__main__":
     import sys
 
-    self_check(device=sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    self_check(device=sys.argv[1] if len(sys.argv) > 1 else "cpu", compile="--compile" in sys.argv)

@@ -1,0 +1,91 @@
+"""Where a decode step's time goes: kernels launched and device time per step of the fast decoder, eager against
+compiled (benchmarks/NOTES.md, section 4). Random weights of an architecture `benchmarks/engine.py` knows; batch
+rows decoding one token each at a 256-position span, no CUDA graph (so each kernel is seen), then the same step
+captured and replayed (the engine's path).
+
+    python benchmarks/decode_profile.py --arch smollm2-135m --rows 64 --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine import ARCHITECTURES, random_init_dir  # noqa: E402
+from report import emit  # noqa: E402
+
+from primerl.inference.engines.llama import LlamaDecoder  # noqa: E402
+
+
+def measure(model, rows: int, compile: bool, steps: int) -> dict:
+    started = time.perf_counter()
+    decoder = LlamaDecoder(model, rows, 512, cuda_graphs=True, compile=compile)
+    decoder.warm_up()
+    tokens, positions = [1] * rows, [100] * rows
+    span = decoder._span(101)
+    static = decoder.static_tokens[:rows], decoder.static_positions[:rows]
+    decoder._load_static_inputs(tokens, positions)
+    for _ in range(3):  # warm: compiles for this shape, autotunes
+        decoder._decode_forward(*static, span)
+    torch.cuda.synchronize()
+    setup_s = time.perf_counter() - started
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            decoder._decode_forward(*static, span)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us = sum(e.device_time for e in kernels) / steps
+    top: dict[str, float] = {}
+    for e in kernels:
+        top[e.name] = top.get(e.name, 0.0) + e.device_time / steps
+    decoder.decode(tokens, positions)  # captures the graph of this shape
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph = decoder.graphs[(decoder._load_static_inputs(tokens, positions), span)]
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_time_us_per_step": round(device_us, 1),
+        "graph_replay_us_per_step": round(start.elapsed_time(end) * 1000 / steps, 1),
+        "tokens_per_s_graph": round(rows / (start.elapsed_time(end) / 1000 / steps), 1),
+        "setup_s": round(setup_s, 1),
+        "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="smollm2-135m")
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("decode_profile: needs a CUDA device", file=sys.stderr)
+        return 2
+    from transformers import AutoModelForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = random_init_dir(args.arch, torch.bfloat16, Path(tmp))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    model.requires_grad_(False)
+    result = {"arch": args.arch, "rows": args.rows, "span": 256, "torch": torch.__version__}
+    with torch.inference_mode():
+        for compile in (False, True):
+            result["compiled" if compile else "eager"] = measure(model, args.rows, compile, args.steps)
+    emit(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
