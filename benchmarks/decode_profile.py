@@ -18,10 +18,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import ARCHITECTURES, random_init_dir  # noqa: E402
-from report import emit  # noqa: E402
+from engine import ARCHITECTURES, random_init_dir
+from report import emit
 
-from primerl.inference.engines.llama import LlamaDecoder  # noqa: E402
+from primerl.inference.engines.llama import LlamaDecoder
 
 
 def measure(model, rows: int, compile: bool, steps: int) -> dict:
