@@ -326,3 +326,11 @@ def test_chunked_decode_equals_one_step_at_a_time(tiny_model_dir):
         assert chunked[0] == one[0] and chunked[2] == one[2]
         torch.testing.assert_close(torch.tensor(chunked[1]), torch.tensor(one[1]), atol=1e-5, rtol=1e-5)
     assert [len(tokens) for tokens, _, _ in outputs[8]][:2] == [21, 5] and outputs[8][3][2] == "length"
+
+
+def test_fast_decoder_self_check_compiled(tiny_qwen3_dir):
+    """The same check through the compiled decode step (the CUDA default; here inductor's CPU code): one compile with
+    dynamic shapes traces the whole step (q/k norms included), and its greedy tokens equal the uncached forward's."""
+    from primerl.inference.engines.llama import self_check
+
+    self_check(str(tiny_qwen3_dir), device="cpu", compile=True)
