@@ -426,7 +426,7 @@ class Orchestrator:
                 self.env, task, n, model=self.model_name, client=self.clients[server.url], sampling=self.sampling,
                 current_version=current_version, seeds=[bridge.rollout_seed(self.cfg.seed, draw, i) for i in range(n)],
             )
-        group = score_group(task.data.id, samples, self.advantage_fn, time.monotonic() - started)
+        group = score_group(bridge.task_id(task), samples, self.advantage_fn, time.monotonic() - started)
         group.draw = draw
         return group
 

@@ -257,7 +257,7 @@ def samples_from_episode(
             continue
         common: dict[str, Any] = {
             "env": episode.env.id,
-            "task_id": trace.task.data.id or trace.task.key,
+            "task_id": task_id(trace.task),
             "trace_id": trace.id,
             "reward": trace.reward,
             "rewards": {name: r.score for name, r in trace.rewards.items() if r is not None},
