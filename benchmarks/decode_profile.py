@@ -41,10 +41,10 @@ def measure(model, rows: int, compile: bool, steps: int) -> dict:
             decoder._decode_forward(*static, span)
         torch.cuda.synchronize()
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_us = sum(e.device_time for e in kernels) / steps
+    device_us = sum(e.time_range.elapsed_us() for e in kernels) / steps
     top: dict[str, float] = {}
     for e in kernels:
-        top[e.name] = top.get(e.name, 0.0) + e.device_time / steps
+        top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
     decoder.decode(tokens, positions)  # captures the graph of this shape
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph = decoder.graphs[(decoder._load_static_inputs(tokens, positions), span)]
