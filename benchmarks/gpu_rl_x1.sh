@@ -76,7 +76,8 @@ p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolL
     run "$name" $((40 + 210 * rounds)) python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
         --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds "$rounds" --steps 10 --prompts-per-step 16 --group 8 \
         --new-tokens 128 --seq-len "${P1_SEQ_LEN:-2048}" --max-batch-size 128 --weight-transfer shared \
-        --work-dir "/tmp/p1-$name" ${P1_SKIP_TRL:+--skip-trl} \
+        --work-dir "/tmp/p1-$name" ${P1_SKIP_TRL:+--skip-trl} ${P1_COMPILE:+--engine-compile} \
+        ${P1_NO_COMPILE:+--no-engine-compile} \
         --out "$out/$name.json"
 }
 
@@ -112,15 +113,20 @@ handoff)
     ;;
 p1)  # P1 alone: P1_ROUNDS alternating primerl/TRL pairs (default 2), with every primerl run's logs
     p1_round p1 "${P1_ROUNDS:-2}"
+    if [ -n "${P1_P3_AFTER:-}" ]; then  # then P3 of the compiled decode step (SmolLM2), in the time left
+        TORCH_LOGS=recompiles run p3_smollm2-135m_compile "$P1_P3_AFTER" python3 benchmarks/engine.py --random-init \
+            --arch smollm2-135m --repeats 1 --decode-steps 8 --compile --out "$out/p3_smollm2-135m_compile.json"
+    fi
+    for d in /tmp/p1-p1/primerl-*; do
+        [ -d "$d/logs" ] && mkdir -p "$out/p1_logs/${d##*/}" && cp -r "$d/logs" "$d/metrics.jsonl" "$out/p1_logs/${d##*/}/"
+    done
+    [ -n "${P1_SKIP_ALONE:-}" ] && { echo "=== gpu_rl_x1 $stage: done after ${SECONDS}s"; exit 0; }
     # the same trainer alone on the GPU (fake batches of the P1 shape: 128 samples x 160 tokens): its step without
     # an engine sharing the device
     run trainer_alone 120 python3 -m primerl.cli trainer @ /tmp/p1-p1/primerl-0/config/trainer.toml --data.fake \
         --data.fake_samples 128 --data.fake_sample_tokens 160 --data.fake_seq_len 2048 --train.max_steps 8 \
         --weights.transfer filesystem --weights.interval 1000 --run_dir /tmp/trainer-alone
     cp /tmp/trainer-alone/metrics.jsonl "$out/trainer_alone_metrics.jsonl" 2>/dev/null
-    for d in /tmp/p1-p1/primerl-*; do
-        [ -d "$d/logs" ] && mkdir -p "$out/p1_logs/${d##*/}" && cp -r "$d/logs" "$d/metrics.jsonl" "$out/p1_logs/${d##*/}/"
-    done
     ;;
 part-0)
     cp .carry/smollm2/part-00 "$carry/" && ls -la "$carry"

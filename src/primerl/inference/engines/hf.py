@@ -158,8 +158,14 @@ class HFEngine(Engine):
         if getattr(self.decoder, "compiled", False):
             log.info("compiling the decode step (tens of seconds the first time; torch's compile cache keeps it)")
             started = time.monotonic()
-            self.decoder.warm_up()
-            log.info("decode step compiled in %.1f s", time.monotonic() - started)
+            try:
+                self.decoder.warm_up()
+                log.info("decode step compiled in %.1f s", time.monotonic() - started)
+            except Exception as error:  # noqa: BLE001 -- no working compiler here (triton, a C compiler): decode uncompiled
+                log.warning("compiling the decode step failed (%s: %s); decoding uncompiled (inference.compile = false "
+                            "skips the attempt)", type(error).__name__, str(error).splitlines()[0][:300])
+                self.compile = False
+                self.decoder = self._build_decoder()
 
     def _build_decoder(self) -> Decoder:
         if self.decoder_kind == "reference":

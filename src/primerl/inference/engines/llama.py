@@ -10,8 +10,8 @@ sequences grow. A decode step attends to the first `span` positions of rows 0..n
 covers the longest row, so its shapes are static per (row bucket, span): on CUDA each such shape is captured once
 as a CUDA graph and replayed, which removes the per-kernel launch cost that bounds small-batch decode.
 
-With `compile`, the decode forward goes through torch.compile once (dynamic shapes: one compiled program serves every
-row bucket, span and cache capacity) before it is captured: the norms, rotary embedding, attention softmax, SwiGLU
+With `compile`, the decode forward goes through torch.compile once (the row count, span and cache capacity marked
+dynamic, every other size static: one compiled program serves every shape) before it is captured: the norms, rotary embedding, attention softmax, SwiGLU
 and residual adds of a layer fuse into a few kernels, where the eager step launches ~45 small kernels per layer, each
 near the GPU's launch floor even inside a graph.
 """
@@ -87,12 +87,12 @@ def _decode_attention(
 
 
 def _compiled(function):
-    """torch.compile `function` for dynamic shapes. Duck sizing is off while it compiles: sizes equal at the first
-    call (the row bucket and the cache's rows, the span and the cache's capacity) would otherwise be assumed equal,
-    and the first call where they differ would compile again."""
+    """torch.compile `function`, whose inputs' dynamic dimensions the caller marks (`torch._dynamo.mark_dynamic`);
+    every other size is static. Duck sizing is off while it compiles: sizes equal at the first call (a span and the
+    cache's capacity) would otherwise be assumed equal, and the first call where they differ would compile again."""
     import torch.fx.experimental._config as fx_config
 
-    compiled = torch.compile(function, dynamic=True, fullgraph=True)
+    compiled = torch.compile(function, dynamic=False, fullgraph=True)
 
     def call(*args):
         with fx_config.patch(use_duck_shape=False):
@@ -165,7 +165,8 @@ class LlamaDecoder(Decoder):
             {*(2**i for i in range(4) if smallest <= 2**i < max_rows), *range(8, max_rows, 8), max_rows}
         )
         self.compiled = compile
-        self._decode_forward = _compiled(self._eager_decode_forward) if compile else self._eager_decode_forward
+        self._step = _compiled(self._decode_step) if compile else self._decode_step
+        self.window = torch.arange(max_len, device=self.device)  # window[:span]: the positions a decode step sees
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         if self.cuda_graphs:
@@ -208,12 +209,17 @@ class LlamaDecoder(Decoder):
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the decode step (with `compile`; a no-op otherwise) by decoding two rows of token 0 at position 0:
-        rows that prefill overwrites before they are used."""
-        if self.compiled:
-            self.decode([0] * min(2, self.max_rows), [0] * min(2, self.max_rows))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
+        """Compile the decode step (with `compile`; a no-op otherwise) for both cases its compiled code tells apart: a
+        span shorter than the cache and a span as long as it, over all rows (the slices of the cache are then one
+        contiguous block, which the attention products' compiled code reads differently). Token 0 is decoded at the
+        last position of the smallest cache into rows that prefill overwrites before they are used."""
+        if not self.compiled:
+            return
+        self._reserve(1)
+        self.decode([0] * min(2, self.max_rows), [0] * min(2, self.max_rows))
+        self.decode([0] * self.max_rows, [self.capacity - 1] * self.max_rows)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def move_row(self, src: int, dst: int, length: int) -> None:
@@ -291,11 +297,20 @@ class LlamaDecoder(Decoder):
 
     # ------------------------------------------------------------------------------------------------- decode
 
-    def _eager_decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One token per row for rows 0..len(tokens)-1, attending to positions < min(position + 1, span)."""
-        rows = tokens.shape[0]
+        window = self.window[:span]
+        if self.compiled:  # the sizes that vary between calls; with these, one compile serves every shape
+            for tensor in (tokens, positions, window):
+                torch._dynamo.mark_dynamic(tensor, 0)
+            for cache in (*self.k_cache, *self.v_cache):
+                torch._dynamo.mark_dynamic(cache, 2)
+        return self._step(tokens, positions, window)
+
+    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        rows, span = tokens.shape[0], window.shape[0]
         capacity = self.k_cache[0].shape[2]
-        visible = (torch.arange(span, device=self.device)[None, :] <= positions[:, None])[:, None, None, :]
+        visible = (window[None, :] <= positions[:, None])[:, None, None, :]
         # flat index of (row, kv head, position) in a cache viewed as [rows * kv_heads * capacity, head_dim]
         heads = torch.arange(rows * self.num_kv_heads, device=self.device)
         slots = heads * capacity + positions.repeat_interleave(self.num_kv_heads)
