@@ -334,3 +334,24 @@ def test_fast_decoder_self_check_compiled(tiny_qwen3_dir):
     from primerl.inference.engines.llama import self_check
 
     self_check(str(tiny_qwen3_dir), device="cpu", compile=True)
+
+
+def test_failed_compile_falls_back_to_the_uncompiled_step(tiny_model_dir, reference_model, monkeypatch, caplog):
+    """Where the decode step cannot be compiled (no triton or C compiler: here the warm-up is made to fail), the engine
+    says so once and serves with the uncompiled step, whose greedy tokens equal the reference's."""
+    from primerl.inference.engines.llama import LlamaDecoder
+
+    def no_compiler(self):
+        raise RuntimeError("no working compiler\nsecond line")
+
+    monkeypatch.setattr(LlamaDecoder, "warm_up", no_compiler)
+
+    async def test(engine: HFEngine) -> None:
+        assert engine.compile is False and engine.decoder.compiled is False
+        tokens, _ = await complete(engine, PROMPTS[0], GREEDY, "after-fallback")
+        assert [t.token_id for t in tokens] == reference_greedy(reference_model, PROMPTS[0], GREEDY.max_tokens)
+
+    with caplog.at_level("WARNING", logger="primerl"):
+        with_engine(tiny_model_dir, test, compile=True)
+    assert any("compiling the decode step failed (RuntimeError: no working compiler)" in r.getMessage()
+               for r in caplog.records)
