@@ -10,10 +10,11 @@ sequences grow. A decode step attends to the first `span` positions of rows 0..n
 covers the longest row, so its shapes are static per (row bucket, span): on CUDA each such shape is captured once
 as a CUDA graph and replayed, which removes the per-kernel launch cost that bounds small-batch decode.
 
-With `compile`, the decode forward goes through torch.compile once (the row count, span and cache capacity marked
-dynamic, every other size static: one compiled program serves every shape) before it is captured: the norms, rotary embedding, attention softmax, SwiGLU
-and residual adds of a layer fuse into a few kernels, where the eager step launches ~45 small kernels per layer, each
-near the GPU's launch floor even inside a graph.
+With `compile`, one decoder layer of the decode step goes through torch.compile once and serves every layer (their
+weights are its arguments; the row count, span and cache capacity are marked dynamic, every other size is static),
+before the step is captured: the norms, rotary embedding, attention softmax, SwiGLU and residual adds of a layer fuse
+into a few kernels, where the eager step launches ~45 small kernels per layer, each near the GPU's launch floor even
+inside a graph. Compiling one layer, not the 30-layer step, keeps the compile to seconds.
 """
 
 from __future__ import annotations
@@ -65,10 +66,19 @@ class _Projection:
         if self.prepack:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
+    @property
+    def operand(self) -> torch.Tensor:
+        """What `_linear` multiplies by: the packed copy where there is one, else the weight."""
+        return self.weight if self.packed is None else self.packed
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.operand, self.bias, self.prepack)
+
+
+def _linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
+    if packed:
+        return torch.ops.mkldnn._linear_pointwise(x, operand, bias, "none", [], "")
+    return F.linear(x, operand, bias)
 
 
 def _decode_attention(
@@ -164,8 +174,12 @@ class LlamaDecoder(Decoder):
         self.row_buckets = sorted(
             {*(2**i for i in range(4) if smallest <= 2**i < max_rows), *range(8, max_rows, 8), max_rows}
         )
+        self.prepack = prepack
+        self.eps = self.layers[0].input_layernorm.variance_epsilon
+        self.layer_operands = self._layer_operands()
         self.compiled = compile
-        self._step = _compiled(self._decode_step) if compile else self._decode_step
+        # one decoder layer is compiled once and serves every layer (their weights are its arguments)
+        self._decode_layer = _compiled(self._layer) if compile else self._layer
         self.window = torch.arange(max_len, device=self.device)  # window[:span]: the positions a decode step sees
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -188,16 +202,21 @@ class LlamaDecoder(Decoder):
         while capacity < length:
             capacity *= 2
         capacity = min(capacity, self.max_len)
-        shape = (self.max_rows, self.num_kv_heads, capacity, self.head_dim)
+        # one spare position, never attended to: a decode step's slice of the cache is then never one contiguous
+        # block, which the compiled attention products would read differently (a second compile)
+        shape = (self.max_rows, self.num_kv_heads, capacity + 1, self.head_dim)
 
         def grown(old: torch.Tensor | None) -> torch.Tensor:
             new = torch.zeros(shape, dtype=self.dtype, device=self.device)
             if old is not None:
-                new[:, :, : self.capacity] = old
+                new[:, :, : self.capacity] = old[:, :, : self.capacity]
             return new
 
         self.k_cache = [grown(old) for old in self.k_cache or [None] * len(self.layers)]
         self.v_cache = [grown(old) for old in self.v_cache or [None] * len(self.layers)]
+        if self.compiled:  # one compiled layer serves every capacity
+            for cache in (*self.k_cache, *self.v_cache):
+                torch._dynamo.maybe_mark_dynamic(cache, 2)
         self.capacity = capacity
         self.graphs.clear()
         self.sampling_graphs.clear()
@@ -206,18 +225,31 @@ class LlamaDecoder(Decoder):
     def weights_changed(self) -> None:
         for projection in (self.lm_head, *(p for layer in self.projections for p in layer.values())):
             projection.refresh()
+        self.layer_operands = self._layer_operands()
+
+    def _layer_operands(self) -> list[tuple[torch.Tensor | None, ...]]:
+        """Per layer, the tensors `_layer` computes with: (input norm, qkv, qkv bias, q norm, k norm, o, o bias,
+        post-attention norm, gate_up, down); the q/k norms are None where the model has none."""
+        operands = []
+        for layer, project in zip(self.layers, self.projections, strict=True):
+            attn = layer.self_attn
+            operands.append((
+                layer.input_layernorm.weight, project["qkv"].operand, project["qkv"].bias,
+                attn.q_norm.weight if self.qk_norm else None, attn.k_norm.weight if self.qk_norm else None,
+                project["o"].operand, project["o"].bias, layer.post_attention_layernorm.weight,
+                project["gate_up"].operand, project["down"].operand,
+            ))
+        return operands
 
     @torch.inference_mode()
     def warm_up(self) -> None:
-        """Compile the decode step (with `compile`; a no-op otherwise) for both cases its compiled code tells apart: a
-        span shorter than the cache and a span as long as it, over all rows (the slices of the cache are then one
-        contiguous block, which the attention products' compiled code reads differently). Token 0 is decoded at the
-        last position of the smallest cache into rows that prefill overwrites before they are used."""
+        """Compile the decode layer (with `compile`; a no-op otherwise) and, on CUDA, capture the smallest shape of
+        both graphs, by decoding token 0 at position 0 in two rows that prefill overwrites before they are used."""
         if not self.compiled:
             return
-        self._reserve(1)
-        self.decode([0] * min(2, self.max_rows), [0] * min(2, self.max_rows))
-        self.decode([0] * self.max_rows, [self.capacity - 1] * self.max_rows)
+        rows = min(2, self.max_rows)
+        self.decode([0] * rows, [0] * rows)
+        self.decode_many([0] * rows, [0] * rows, torch.ones(rows), torch.full((1, rows), 0.5, dtype=torch.float64))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -228,10 +260,10 @@ class LlamaDecoder(Decoder):
 
     # ----------------------------------------------------------------------------------------------- forward
 
-    def _norm(self, x: torch.Tensor, module: torch.nn.Module) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
-        return module.weight * x32.to(x.dtype)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -239,30 +271,45 @@ class LlamaDecoder(Decoder):
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Hidden states after the final norm for input_ids [B, T] at positions [B, T]. `attend(layer, q, k, v)`
-        stores k/v [B, kv_heads, T, head_dim] and returns the attention output [B, heads, T, head_dim]."""
-        batch, length = input_ids.shape
+    def _layer(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, operands: tuple, attend, *state: torch.Tensor
+    ) -> torch.Tensor:
+        """One decoder layer over x [B, T, hidden]. `attend(q, k, v, *state)` stores k/v [B, kv_heads, T, head_dim]
+        and returns the attention output [B, heads, T, head_dim]."""
+        in_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, gate_up, down = operands
+        batch, length, _ = x.shape
+        h = self._norm(x, in_norm)
+        q, k, v = _linear(h, qkv, qkv_bias, self.prepack).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(batch, length, -1, self.head_dim)
+        k = k.view(batch, length, -1, self.head_dim)
+        v = v.view(batch, length, -1, self.head_dim)
+        if q_norm is not None:
+            q, k = self._norm(q, q_norm), self._norm(k, k_norm)
+        q = self._rotate(q.transpose(1, 2), cos, sin)
+        k = self._rotate(k.transpose(1, 2), cos, sin)
+        out = attend(q, k, v.transpose(1, 2), *state)
+        x = x + _linear(out.transpose(1, 2).reshape(batch, length, -1), o, o_bias, self.prepack)
+        gate, up = _linear(self._norm(x, post_norm), gate_up, None, self.prepack).chunk(2, dim=-1)
+        return x + _linear(F.silu(gate) * up, down, None, self.prepack)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, *shared, decoding=False):
+        """Hidden states after the final norm for input_ids [B, T] at positions [B, T]; each layer attends with
+        `attend(q, k, v, its k cache, its v cache, *shared)`. `decoding` (T = 1) runs the decode layer, compiled
+        with `compile`, whose varying sizes are marked here."""
+        layer = self._decode_layer if decoding else self._layer
         x = F.embedding(input_ids, self.model.model.embed_tokens.weight)
         cos = self.cos[positions][:, None]  # [B, 1, T, head_dim]
         sin = self.sin[positions][:, None]
-        for index, layer in enumerate(self.layers):
-            attn, project = layer.self_attn, self.projections[index]
-            h = self._norm(x, layer.input_layernorm)
-            q, k, v = project["qkv"](h).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(batch, length, -1, self.head_dim)
-            k = k.view(batch, length, -1, self.head_dim)
-            v = v.view(batch, length, -1, self.head_dim)
-            if self.qk_norm:
-                q, k = self._norm(q, attn.q_norm), self._norm(k, attn.k_norm)
-            q = self._rotate(q.transpose(1, 2), cos, sin)
-            k = self._rotate(k.transpose(1, 2), cos, sin)
-            out = attend(index, q, k, v.transpose(1, 2))
-            x = x + project["o"](out.transpose(1, 2).reshape(batch, length, -1))
-            h = self._norm(x, layer.post_attention_layernorm)
-            gate, up = project["gate_up"](h).chunk(2, dim=-1)
-            x = x + project["down"](F.silu(gate) * up)
-        return self._norm(x, self.model.model.norm)
+        mark = decoding and self.compiled
+        if mark:
+            for tensor in (cos, sin, *shared):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+            torch._dynamo.maybe_mark_dynamic(shared[-1], 3)  # the span of the visibility mask
+        for operands, k_cache, v_cache in zip(self.layer_operands, self.k_cache, self.v_cache, strict=True):
+            if mark:
+                torch._dynamo.maybe_mark_dynamic(x, 0)
+            x = layer(x, cos, sin, operands, attend, k_cache, v_cache, *shared)
+        return self._norm(x, self.model.model.norm.weight)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -286,9 +333,9 @@ class LlamaDecoder(Decoder):
         rows = torch.arange(first_row, first_row + len(prompts), device=self.device)
         source = torch.tensor(copy_of, device=self.device)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            self.k_cache[layer][rows, :, :width] = k[source]
-            self.v_cache[layer][rows, :, :width] = v[source]
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
+            k_cache[rows, :, :width] = k[source]
+            v_cache[rows, :, :width] = v[source]
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
         hidden = self._forward(input_ids, positions, attend)
@@ -299,29 +346,20 @@ class LlamaDecoder(Decoder):
 
     def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One token per row for rows 0..len(tokens)-1, attending to positions < min(position + 1, span)."""
-        window = self.window[:span]
-        if self.compiled:  # the sizes that vary between calls; with these, one compile serves every shape
-            for tensor in (tokens, positions, window):
-                torch._dynamo.mark_dynamic(tensor, 0)
-            for cache in (*self.k_cache, *self.v_cache):
-                torch._dynamo.mark_dynamic(cache, 2)
-        return self._step(tokens, positions, window)
-
-    def _decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        rows, span = tokens.shape[0], window.shape[0]
+        rows = tokens.shape[0]
         capacity = self.k_cache[0].shape[2]
-        visible = (window[None, :] <= positions[:, None])[:, None, None, :]
+        visible = (self.window[:span][None, :] <= positions[:, None])[:, None, None, :]
         # flat index of (row, kv head, position) in a cache viewed as [rows * kv_heads * capacity, head_dim]
         heads = torch.arange(rows * self.num_kv_heads, device=self.device)
         slots = heads * capacity + positions.repeat_interleave(self.num_kv_heads)
+        hidden = self._forward(tokens[:, None], positions[:, None], self._decode_attend, slots, visible, decoding=True)
+        return self._logits(hidden[:, 0])
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = self.k_cache[layer], self.v_cache[layer]
-            k_cache.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
-            v_cache.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
-            return _decode_attention(q, k_cache[:rows, :, :span], v_cache[:rows, :, :span], visible)
-
-        return self._logits(self._forward(tokens[:, None], positions[:, None], attend)[:, 0])
+    def _decode_attend(self, q, k, v, k_cache, v_cache, slots, visible) -> torch.Tensor:
+        rows, span = q.shape[0], visible.shape[-1]
+        k_cache.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
+        v_cache.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
+        return _decode_attention(q, k_cache[:rows, :, :span], v_cache[:rows, :, :span], visible)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
