@@ -113,9 +113,12 @@ handoff)
     ;;
 p1)  # P1 alone: P1_ROUNDS alternating primerl/TRL pairs (default 2), with every primerl run's logs
     p1_round p1 "${P1_ROUNDS:-2}"
-    if [ -n "${P1_P3_AFTER:-}" ]; then  # then P3 of the compiled decode step (SmolLM2), in the time left
+    if [ -n "${P1_P3_AFTER:-}" ]; then  # then the compiled decode step: P3 of SmolLM2, its self-check, P3 of Qwen3
         TORCH_LOGS=recompiles run p3_smollm2-135m_compile "$P1_P3_AFTER" python3 benchmarks/engine.py --random-init \
             --arch smollm2-135m --repeats 1 --decode-steps 8 --compile --out "$out/p3_smollm2-135m_compile.json"
+        run selfcheck 60 python3 -m primerl.inference.engines.llama cuda --compile
+        TORCH_LOGS=recompiles run p3_qwen3-0.6b_compile "$P1_P3_AFTER" python3 benchmarks/engine.py --random-init \
+            --arch qwen3-0.6b --repeats 1 --decode-steps 8 --compile --out "$out/p3_qwen3-0.6b_compile.json"
     fi
     for d in /tmp/p1-p1/primerl-*; do
         [ -d "$d/logs" ] && mkdir -p "$out/p1_logs/${d##*/}" && cp -r "$d/logs" "$d/metrics.jsonl" "$out/p1_logs/${d##*/}/"
