@@ -75,11 +75,10 @@ class InferenceConfig(ProcessConfig):
         description="hf engine: decode steps run back to back on the device, sampling included, before the host "
         "looks at the tokens (1 = one step at a time; rows with top_p < 1 or top_k always go one step at a time)",
     )
-    compile: bool | None = Field(
-        None,
-        description="hf engine: torch.compile the decode step (fused kernels, then captured in CUDA graphs); "
-        "None = on for CUDA, off for CPU. The first compile takes tens of seconds at start; later starts read "
-        "torch's compile cache",
+    compile: bool = Field(
+        False,
+        description="hf engine: torch.compile one decoder layer of the decode step (fused kernels; on CUDA then "
+        "captured in CUDA graphs), at start; off by default until its speed-up is measured on a GPU",
     )
     max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
     max_concurrent_requests: int = Field(
