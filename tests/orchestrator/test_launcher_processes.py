@@ -67,6 +67,32 @@ def test_stop_sends_sigint_first_and_kills_what_ignores_it(tmp_path):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
+def test_a_second_sigterm_does_not_cut_the_stop_short():
+    """A launcher's first SIGTERM starts its orderly stop; a second one, sent while it stops, is noted and ignored:
+    the stop finishes and no traceback is printed."""
+    launcher = subprocess.Popen(python("""
+        import signal, sys, time
+        from primerl.launch.processes import Terminated, raise_terminated
+        signal.signal(signal.SIGTERM, raise_terminated)
+        try:
+            print("running", flush=True)
+            time.sleep(60)
+        except Terminated:
+            print("stopping", flush=True)
+            sys.stdin.readline()  # the stop lasts until the test has sent its second SIGTERM
+            print("stopped", flush=True)
+    """), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert launcher.stdout.readline().strip() == "running"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.stdout.readline().strip() == "stopping"
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.stdout.readline().strip() == "stopping already; SIGKILL ends it at once"
+    finally:
+        rest, _ = launcher.communicate("go on\n", timeout=20)
+    assert rest.strip() == "stopped" and launcher.returncode == 0
+
+
 def test_children_die_with_a_killed_launcher(tmp_path):
     pid_file = tmp_path / "child.pid"
     launcher = subprocess.Popen(python(f"""

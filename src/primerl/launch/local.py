@@ -36,9 +36,11 @@ from primerl.config import config_from_argv
 from primerl.config.rl import DeviceAssignment, RLConfig
 from primerl.launch.processes import (
     ManagedProcess,
+    Terminated,
     child_environment,
     exit_with_parent,
     primerl_command,
+    raise_terminated,
     stop_all,
     torchrun_command,
 )
@@ -202,14 +204,6 @@ class Console:
 # The run
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 def describe_devices(devices: DeviceAssignment, gpus: Sequence[str], engine: str = "hf") -> str:
     """Which GPUs each process got, named as in the CUDA_VISIBLE_DEVICES it is given (one console line)."""
 
@@ -322,13 +316,13 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone: the checkpoint's step
     console = Console(run_dir, cfg.max_steps, first_step, stream)
     in_main_thread = threading.current_thread() is threading.main_thread()
-    previous_term = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     try:
         for p in processes:
             if p.start_when is None:
                 p.start()
         return _supervise(processes, console, cfg, stream, started)
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
         stop_all(processes, cfg.shutdown_grace_s)
         return EXIT_INTERRUPTED

@@ -25,6 +25,22 @@ from primerl.multicast import multicast_off
 _PR_SET_PDEATHSIG = 1
 
 
+class Terminated(Exception):
+    """The launcher got SIGTERM (see `raise_terminated`)."""
+
+
+def raise_terminated(signum, frame) -> None:
+    """SIGTERM handler of a launcher's main thread: the first SIGTERM raises `Terminated`, which starts the orderly
+    stop of every process; a SIGTERM during that stop is noted and ignored, so it cannot cut the stop short (a
+    supervisor that wants it over sooner sends SIGKILL, which the children follow: they die with their parent)."""
+    signal.signal(signal.SIGTERM, _already_stopping)
+    raise Terminated()
+
+
+def _already_stopping(signum, frame) -> None:
+    print("stopping already; SIGKILL ends it at once", file=sys.stderr, flush=True)
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)

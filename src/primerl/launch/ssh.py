@@ -35,6 +35,7 @@ from typing import Any
 from primerl.config.deploy import DeployConfig, HostSection
 from primerl.launch.command import USAGE_ERROR, LaunchRequest, parse_request
 from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RoleProcess, build_plan
+from primerl.launch.processes import Terminated, raise_terminated
 from primerl.launch.remote import STOP_LINE
 
 EXIT_FAILED = 1
@@ -385,14 +386,6 @@ def supervise(processes: list[RemoteProcess], plan: LaunchPlan, say: Callable[[s
         time.sleep(POLL_S)
 
 
-class _Terminated(Exception):
-    pass
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated()
-
-
 def launch(request: LaunchRequest, out=sys.stdout) -> int:
     try:
         plan = build_plan(request.recipe, request.deploy, request.overrides)
@@ -404,7 +397,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
         return 0
     started = time.time()
     target = SshTarget(plan, out)
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
     processes: list[RemoteProcess] = []
     try:
         ok = target.preflight() and target.checklist()
@@ -416,7 +409,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
         target.say(f"launch: starting {len(plan.processes)} processes on {', '.join(plan.hosts)}")
         processes = target.start()
         return supervise(processes, plan, target.say, started)
-    except (KeyboardInterrupt, _Terminated):
+    except (KeyboardInterrupt, Terminated):
         target.say("\nlaunch: interrupted; stopping every process on every host")
         stop_all(processes, plan.deploy.shutdown_grace_s)
         return EXIT_INTERRUPTED
