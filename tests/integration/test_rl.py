@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,7 +13,7 @@ import pytest
 from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wait_for
 
 from primerl.transport.shared import marker as shared_marker
-from primerl.transport.weights import broadcast_marker, has_files, stable_steps, weights_dir
+from primerl.transport.weights import broadcast_marker, has_files, shared_segment_dir, stable_steps, weights_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -79,20 +80,27 @@ def test_resume_after_the_launcher_is_killed_continues_from_the_checkpoint(tmp_p
 
 
 def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
+    """A trainer killed mid-run stops the run with its log's tail; its shared weight buffer (a file in shared memory,
+    which a killed process cannot remove) is removed by rl."""
     run = tmp_path / "run"
-    proc = start_rl(run, "--max_steps=50")
+    proc = start_rl(run, "--max_steps=50", "--weight_transfer=shared")
 
     def trainer_pid():
         pids = [pid for pid, cmd in processes_of_run(run).items() if "trainer.toml" in cmd]
         return pids[0] if pids else None
 
-    wait_for(lambda: trainer_pid() is not None, timeout=300, what="the trainer to start", proc=proc)
+    segment = shared_segment_dir(run) / "segment.json"
+    wait_for(lambda: trainer_pid() is not None and segment.is_file(), timeout=300, what="the trainer's buffer",
+             proc=proc)
+    buffer = Path(json.loads(segment.read_text())["path"])
+    assert buffer.exists()
     os.kill(trainer_pid(), signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 1, out + err
     assert "trainer was killed by signal 9" in err
     assert "trainer.toml" in err.split("last lines of")[1]  # the tail of the trainer's log: its command line
     assert not processes_of_run(run)
+    assert not buffer.exists() and f"rl: removed the trainer's shared weight buffer {buffer}" in err
 
 
 def test_rl_with_the_weight_broadcast(tmp_path):
@@ -135,7 +143,8 @@ def test_rl_with_shared_weights(tmp_path):
         assert set(versions(run, step)) == {(step, step)}
     inference_log = (run / "logs" / "inference.log").read_text()
     assert "copied step 1 from the trainer's shared buffer" in inference_log
-    assert not list(Path("/dev/shm").glob(f"primerl-weights-*{run.name}*"))
+    assert not (shared_segment_dir(run) / "segment.json").exists()  # the trainer removed its buffer and this
+    assert "removed the trainer's shared weight buffer" not in result.stderr
     assert not processes_of_run(run)
 
 

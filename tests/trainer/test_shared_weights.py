@@ -54,3 +54,18 @@ def test_a_snapshot_of_another_segment_is_refused(tmp_path):
     finally:
         old.close()
         new.close()
+
+
+def test_a_buffer_left_by_a_killed_trainer_is_removed(tmp_path):
+    """A trainer killed before it closed its buffer leaves the file in shared memory: the next trainer of the run
+    removes it when it makes its own, and `release_shared_buffer` (what rl calls once its processes stopped) removes
+    the one in use."""
+    from primerl.transport.weights import release_shared_buffer
+
+    killed = shared.SharedSegment(tmp_path, entries(), torch.float32, torch.device("cpu"))  # never closed
+    left = killed.shm_path
+    assert left is not None and left.exists()
+    restarted = shared.SharedSegment(tmp_path, entries(), torch.float32, torch.device("cpu"))
+    assert not left.exists() and restarted.shm_path.exists()
+    assert release_shared_buffer(tmp_path) == restarted.shm_path and not restarted.shm_path.exists()
+    assert release_shared_buffer(tmp_path) is None

@@ -330,6 +330,9 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
         stop_all(processes, cfg.shutdown_grace_s)
+        if cfg.weight_transfer == "shared" and (left := weight_snapshots.release_shared_buffer(run_dir)):
+            print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
+                  file=sys.stderr, flush=True)
         console.close()
 
 

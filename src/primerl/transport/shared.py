@@ -34,9 +34,8 @@ import torch
 from primerl.transport import weights as snapshots
 
 SHARED = snapshots.SHARED
-SEGMENT_DIR = "shared"
-SEGMENT_JSON = "segment.json"
-SEGMENT_HANDLE = "segment.pkl"
+SEGMENT_JSON, SEGMENT_HANDLE = snapshots.SEGMENT_JSON, snapshots.SEGMENT_HANDLE
+segment_dir, release = snapshots.shared_segment_dir, snapshots.release_shared_buffer
 APPLIED = "applied"
 _ALIGN = 64  # elements: every tensor starts 128-byte aligned (bf16)
 
@@ -54,10 +53,6 @@ class Slot:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-def segment_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / snapshots.WEIGHTS_DIR / SEGMENT_DIR
 
 
 def layout(entries: list[tuple[str, tuple[int, ...]]]) -> tuple[list[Slot], int]:
@@ -104,8 +99,8 @@ class SharedSegment:
         self.segment_id = uuid.uuid4().hex
         self.dir = segment_dir(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
-        for stale in (APPLIED, SEGMENT_JSON, SEGMENT_HANDLE):
-            (self.dir / stale).unlink(missing_ok=True)
+        release(run_dir)  # a buffer left by a trainer of this run that did not close its own (killed)
+        (self.dir / APPLIED).unlink(missing_ok=True)
         self.shm_path: Path | None = None
         if device.type == "cuda":
             self.buffer = torch.empty(size, dtype=dtype, device=device)
@@ -158,10 +153,7 @@ class SharedSegment:
         return snapshots.publish(staged, self.run_dir, step)
 
     def close(self) -> None:
-        for name in (SEGMENT_JSON, SEGMENT_HANDLE):
-            (self.dir / name).unlink(missing_ok=True)
-        if self.shm_path is not None:
-            self.shm_path.unlink(missing_ok=True)
+        release(self.run_dir)
 
 
 class SharedReader:

@@ -29,6 +29,8 @@ WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
 BROADCAST = "BROADCAST"
 SHARED = "SHARED"  # a version in the trainer's shared buffer (primerl.transport.shared)
+SEGMENT_JSON = "segment.json"  # weights/shared/: where the trainer's shared buffer is and how it is laid out
+SEGMENT_HANDLE = "segment.pkl"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_DIR = re.compile(r"^\.step_\d+\.tmp-\d+$")
 
@@ -153,3 +155,28 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def shared_segment_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / WEIGHTS_DIR / "shared"
+
+
+def release_shared_buffer(run_dir: str | os.PathLike) -> Path | None:
+    """Remove the run's shared weight buffer (primerl.transport.shared): its file in shared memory, which outlives a
+    killed trainer and holds the machine's memory until removed, and the description pointing at it. The trainer
+    calls it when it closes its buffer and before it makes a new one, `rl` once its processes have stopped (here,
+    without torch). Returns the buffer file it removed, if any."""
+    directory = shared_segment_dir(run_dir)
+    try:
+        description = json.loads((directory / SEGMENT_JSON).read_text())
+    except (OSError, ValueError):
+        description = None
+    removed = None
+    if isinstance(description, dict) and description.get("kind") == "file":
+        path = Path(description["path"])
+        if path.name.startswith("primerl-weights-") and path.exists():
+            path.unlink(missing_ok=True)
+            removed = path
+    for name in (SEGMENT_JSON, SEGMENT_HANDLE):
+        (directory / name).unlink(missing_ok=True)
+    return removed
