@@ -27,6 +27,25 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW
     )
 
 
+def allocate_state(optimizer: torch.optim.AdamW) -> None:
+    """Create the state AdamW's first `step()` would create (step 0, zero moments) for every parameter that has none.
+
+    The values are those of torch's lazy initialisation, so every later step is the same; only the allocation moves:
+    two zero tensors the size of the trainable parameters (1.1 GB and ~1 s on a CPU core for a 135M model), made
+    while the trainer waits for its first batch instead of inside its first step."""
+    for group in optimizer.param_groups:
+        on_device = group["capturable"] or group["fused"]
+        step_dtype = torch.float64 if not group["fused"] and torch.get_default_dtype() == torch.float64 else torch.float32
+        for param in group["params"]:
+            if optimizer.state.get(param):
+                continue
+            state = optimizer.state[param]
+            state["step"] = torch.zeros((), dtype=step_dtype, device=param.device if on_device else "cpu")
+            moments = ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if group["amsgrad"] else [])]
+            for name in moments:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
 def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int | None) -> float:
     """Multiplier on the peak lr for optimizer step `step` (0-based): linear warm-up over `warmup_steps` (the first
     step already moves, at 1/warmup of the peak), then constant, or a linear/cosine decay to `min_lr_ratio` over
