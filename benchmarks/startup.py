@@ -79,6 +79,31 @@ def milestone_time(run_dir: Path, name: str, day: datetime) -> float | None:
     return None
 
 
+def run_processes(run_dir: Path) -> list[int]:
+    """Pids of the processes still running on `run_dir`'s configs (the stage launcher and the three it started)."""
+    marker = f"{run_dir}/config/".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:  # gone meanwhile
+                continue
+    return pids
+
+
+def wait_until_gone(run_dir: Path, timeout_s: float = 120.0) -> None:
+    """Return once every process of the stopped run has exited. The recipe launcher exits at once on SIGTERM; its
+    stage notices within a poll and stops the three processes, which can take 10+ s (a trainer inside a step, an
+    orchestrator inside its start-up): the next launch would share the cores with them."""
+    deadline = time.time() + timeout_s
+    while pids := run_processes(run_dir):
+        if time.time() > deadline:
+            raise SystemExit(f"processes {pids} of {run_dir} still running {timeout_s:.0f}s after the stop")
+        time.sleep(0.2)
+
+
 def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
     shutil.rmtree(run_dir, ignore_errors=True)
     command = [sys.executable, "-m", "primerl.cli", "rl", str(RECIPE), "--no-check", "--run-dir", str(run_dir),
@@ -104,6 +129,7 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
     finally:
         proc.terminate()  # SIGTERM: `rl` stops its processes (SIGINT is ignored when this runs in the background)
         proc.wait()
+        wait_until_gone(run_dir)
     day = datetime.fromtimestamp(started)
     milestones = {name: milestone_time(run_dir, name, day) for name in MILESTONES}
     return {

@@ -11,20 +11,35 @@ from primerl.config.trainer import OptimizerConfig, SchedulerConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimizerConfig) -> torch.optim.AdamW:
-    """AdamW over parameters that require grad; fused kernels on CUDA, foreach elsewhere."""
+    """AdamW over parameters that require grad, with torch's fused kernel on every device: one pass over each
+    parameter, its gradient and its moments. On a CPU core the multi-tensor (foreach) one makes several passes and
+    temporaries the size of the model: 0.66 s a step for a 135M model against 0.11 s fused, and more while another
+    process (the engine) shares the memory bandwidth."""
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise ValueError("the model has no trainable parameters")
-    on_cuda = params[0].device.type == "cuda"
     return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=cfg.betas,
-        eps=cfg.eps,
-        weight_decay=cfg.weight_decay,
-        fused=on_cuda or None,
-        foreach=None if on_cuda else True,
+        params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, fused=True
     )
+
+
+def allocate_state(optimizer: torch.optim.AdamW) -> None:
+    """Create the state AdamW's first `step()` would create (step 0, zero moments) for every parameter that has none.
+
+    The values are those of torch's lazy initialisation, so every later step is the same; only the allocation moves:
+    two zero tensors the size of the trainable parameters (1.1 GB and ~1 s on a CPU core for a 135M model), made
+    while the trainer waits for its first batch instead of inside its first step."""
+    for group in optimizer.param_groups:
+        on_device = group["capturable"] or group["fused"]
+        step_dtype = torch.float64 if not group["fused"] and torch.get_default_dtype() == torch.float64 else torch.float32
+        for param in group["params"]:
+            if optimizer.state.get(param):
+                continue
+            state = optimizer.state[param]
+            state["step"] = torch.zeros((), dtype=step_dtype, device=param.device if on_device else "cpu")
+            moments = ["exp_avg", "exp_avg_sq", *(["max_exp_avg_sq"] if group["amsgrad"] else [])]
+            for name in moments:
+                state[name] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, max_steps: int | None) -> float:

@@ -23,6 +23,7 @@ from primerl.storage import storage_failure
 from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
 from primerl.trainer.loss import LossInputs, LossOutput, load_loss
 from primerl.trainer.model import PolicyOutput
+from primerl.trainer.optim import allocate_state
 from primerl.transport.rollouts import Sample, pack_samples, read_batch, split_rows, wait_for_batch
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ def train(cfg: TrainerConfig) -> None:
     rank, world = trainer.dist.rank, trainer.dist.world_size
     try:
         step, _ = trainer.resume()
+        allocate_state(trainer.optimizer)  # a fresh run's optimizer state, before the wait for the first batch
         while cfg.train.max_steps is None or step < cfg.train.max_steps:
             if cfg.data.fake:
                 vocab = trainer.policy.causal_lm.config.vocab_size
