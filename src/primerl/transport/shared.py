@@ -156,7 +156,12 @@ class SharedSegment:
         return snapshots.publish(staged, self.run_dir, step)
 
     def close(self) -> None:
-        release(self.run_dir)
+        """Remove this buffer and the description of it (not `release`: that removes whatever buffer the description
+        names, which after a restart is another trainer's)."""
+        for name in (SEGMENT_JSON, SEGMENT_HANDLE):
+            (self.dir / name).unlink(missing_ok=True)
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
 
 
 class SharedReader:

@@ -163,9 +163,9 @@ def shared_segment_dir(run_dir: str | os.PathLike) -> Path:
 
 def release_shared_buffer(run_dir: str | os.PathLike) -> Path | None:
     """Remove the run's shared weight buffer (primerl.transport.shared): its file in shared memory, which outlives a
-    killed trainer and holds the machine's memory until removed, and the description pointing at it. The trainer
-    calls it when it closes its buffer and before it makes a new one, `rl` once its processes have stopped (here,
-    without torch). Returns the buffer file it removed, if any."""
+    killed trainer and holds the machine's memory until removed, and the description pointing at it. A trainer calls
+    it before it makes its own buffer, `rl` once its processes have stopped (here, without torch). Returns the buffer
+    file it removed, if any."""
     directory = shared_segment_dir(run_dir)
     try:
         description = json.loads((directory / SEGMENT_JSON).read_text())

@@ -163,7 +163,7 @@ class HFEngine(Engine):
                 log.info("decode step compiled in %.1f s", time.monotonic() - started)
             except Exception as error:  # noqa: BLE001 -- no working compiler here (triton, a C compiler): decode uncompiled
                 log.warning("compiling the decode step failed (%s: %s); decoding uncompiled (inference.compile = false "
-                            "skips the attempt)", type(error).__name__, str(error).splitlines()[0][:300])
+                            "skips the attempt)", type(error).__name__, (str(error).splitlines() or [""])[0][:300])
                 self.compile = False
                 self.decoder = self._build_decoder()
 
