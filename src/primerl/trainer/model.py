@@ -152,8 +152,8 @@ class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
         hidden, weight, targets, lse, probs = ctx.saved_tensors
-        w = weight.to(ctx.dtype)
-        w_grad = weight.to(ctx.grad_dtype)
+        w = None if ctx.keep else weight.to(ctx.dtype)
+        w_grad = w if w is not None and ctx.grad_dtype == ctx.dtype else weight.to(ctx.grad_dtype)
         grad_of_logits = _kernel("grad", _chunk_grad, hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
