@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="primerl's packed row length")
     parser.add_argument("--max-batch-size", type=int, default=32, help="primerl's inference.max_batch_size")
     parser.add_argument("--engine-compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="primerl's inference.compile (default: the engine's, off)")
+                        help="primerl's inference.compile (default: the engine's, on for CUDA)")
     parser.add_argument("--weight-transfer", default="filesystem", choices=["filesystem", "broadcast", "shared"])
     parser.add_argument("--engine", default="hf", choices=["hf", "vllm"], help="primerl's inference engine")
     parser.add_argument("--threads", help="primerl's CPU threads as ENGINE,TRAINER (default: rl splits the cores)")

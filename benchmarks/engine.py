@@ -269,8 +269,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--compile",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="torch.compile the decode layer (inference.compile); engine_start_s includes the compile",
+        default=None,
+        help="torch.compile the decode layer (inference.compile; default: the engine's, on for CUDA); "
+        "engine_start_s includes the compile",
     )
     parser.add_argument("--generate-batch", action="store_true", help="also time transformers' generate_batch")
     parser.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[DEFAULT_DECODE_STEPS],

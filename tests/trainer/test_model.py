@@ -12,8 +12,9 @@ from primerl.trainer.model import bucket_rows, build_policy, fused_logprobs, pac
 from primerl.transport.rollouts import Sample, pack_samples
 
 
-def tiny_policy(attention="sdpa", chunk=7):
-    train = TrainingConfig(attention=attention, logprob_chunk_tokens=chunk)
+def tiny_policy(attention="sdpa", chunk=7, backward_dtype="float32"):
+    """float32 backward by default: these tests compare gradients of two layouts at float32 tolerances."""
+    train = TrainingConfig(attention=attention, logprob_chunk_tokens=chunk, backward_dtype=backward_dtype)
     policy, _ = build_policy(ModelConfig(name="tiny"), train, LoraConfig(), torch.device("cpu"), DistInfo())
     return policy
 
@@ -67,10 +68,12 @@ def test_block_diagonal_mask():
     assert torch.equal(mask, expected)
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["plain", "padded-chunks"])
+@pytest.mark.parametrize("path", ["kept-probs", "recomputed", "padded-chunks"])
 @pytest.mark.parametrize("chunk", [1, 4, 100])
-def test_fused_logprobs_value_and_gradient(chunk, padded, monkeypatch):
-    if padded:  # what the GPU path does around its compiled kernels: chunks padded to bucket sizes
+def test_fused_logprobs_value_and_gradient(chunk, path, monkeypatch):
+    if path == "recomputed":  # more rows than forward keeps the probabilities of: backward recomputes the logits
+        monkeypatch.setattr(model, "KEEP_PROBS_BYTES", 0)
+    if path == "padded-chunks":  # what the GPU path does around its compiled kernels: chunks padded to bucket sizes
         monkeypatch.setattr(model, "_kernel", lambda name, fn, device: lambda *args: fn(*args))
     g = torch.Generator().manual_seed(1)
     h = torch.randn(13, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -89,6 +92,41 @@ def test_fused_logprobs_value_and_gradient(chunk, padded, monkeypatch):
     torch.testing.assert_close(grads[0], h.grad)
     torch.testing.assert_close(grads[1], w.grad)
     assert not ent.requires_grad
+
+
+def test_backward_dtype_bfloat16_keeps_forward_and_approximates_the_gradients():
+    """A float32 model with bfloat16 backward matmuls: the same log-probs bit for bit (forward is untouched), the
+    same state dict, gradients within bfloat16's rounding of the float32 ones; float32 backward changes nothing."""
+    samples = group_samples() + random_samples([6, 11])
+    a = {k: torch.from_numpy(v).long() for k, v in pack_samples(samples, 64, share_prefixes=True).arrays.items()}
+    results = {}
+    for dtype in ("float32", "bfloat16"):
+        policy = tiny_policy(chunk=5, backward_dtype=dtype)
+        out = policy(a["input_ids"], a["position_ids"], a["sample_index"], temperature=0.9,
+                     parent_index=a["parent_index"], wanted=a["loss_mask"].bool())
+        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        swapped = sum(isinstance(m, model.LinearCastingGrads) for m in policy.modules())
+        results[dtype] = out.logprobs.detach(), grads, swapped, list(policy.state_dict())
+    (lp32, g32, swapped32, keys32), (lp16, g16, swapped16, keys16) = results["float32"], results["bfloat16"]
+    assert swapped32 == 0 and swapped16 > 0
+    assert keys16 == keys32
+    assert torch.equal(lp16, lp32)
+    assert g16.keys() == g32.keys()
+    for name, grad in g32.items():
+        error = (g16[name] - grad).norm() / grad.norm()
+        assert 0 < error < 2e-2, (name, error)  # bfloat16 keeps 8 bits: ~0.4 % per product, not exact
+
+
+def test_backward_dtype_auto_and_bad_choices():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    bf16_cpu = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert model.backward_dtype_for("auto", torch.float32, cpu) == (torch.bfloat16 if bf16_cpu else torch.float32)
+    assert model.backward_dtype_for("auto", torch.float32, cuda) == torch.float32
+    assert model.backward_dtype_for("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert model.backward_dtype_for("float32", torch.float32, cpu) == torch.float32
+    with pytest.raises(ValueError, match="needs a float32 model; its compute dtype is bfloat16"):
+        model.backward_dtype_for("float32", torch.bfloat16, cuda)
 
 
 def test_compiled_head_compiles_a_few_shapes_whatever_the_token_count(monkeypatch):

@@ -75,10 +75,11 @@ class InferenceConfig(ProcessConfig):
         description="hf engine: decode steps run back to back on the device, sampling included, before the host "
         "looks at the tokens (1 = one step at a time; rows with top_p < 1 or top_k always go one step at a time)",
     )
-    compile: bool = Field(
-        False,
+    compile: bool | None = Field(
+        None,
         description="hf engine: torch.compile one decoder layer of the decode step (fused kernels; on CUDA then "
-        "captured in CUDA graphs), at start; off by default until its speed-up is measured on a GPU",
+        "captured in CUDA graphs), at start; None = on for CUDA (SmolLM2 decode 1.7x on an H200, ~12 s at start), "
+        "off on CPU (5 %, ~20 s at start)",
     )
     max_n: int = Field(64, ge=1, description="largest `n` (samples per request) the server accepts")
     max_concurrent_requests: int = Field(

@@ -32,6 +32,11 @@ class TrainingConfig(Section):
     threads: int | None = Field(
         None, ge=1, description="CPU threads of torch's intra-op pool (None: torch's default, one per core)"
     )
+    backward_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="dtype of the backward pass's matmuls; auto = bfloat16 for a float32 model on a CPU with "
+        "bfloat16 dot products (forward, and so the log-probs, stay float32), else the compute dtype",
+    )
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )

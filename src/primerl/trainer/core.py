@@ -185,13 +185,15 @@ class Trainer:
         total = sum(t.numel() for t in self.policy.parameters())
         trainable = sum(t.numel() for t in self.policy.parameters() if t.requires_grad)
         log.info(
-            "model %s | params %.1fM (trainable %.1fM, matmul %.1fM) | attention %s | compute %s | device %s x%d",
+            "model %s | params %.1fM (trainable %.1fM, matmul %.1fM) | attention %s | compute %s (backward %s) | "
+            "device %s x%d",
             p.model.name,
             total / 1e6,
             trainable / 1e6,
             self.matmul_params / 1e6,
             self.policy.attention,
             str(self.policy.compute_dtype).removeprefix("torch."),
+            str(self.policy.backward_dtype).removeprefix("torch."),
             self.device.type,
             self.dist.world_size,
         )

@@ -24,6 +24,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from primerl.config.common import ModelConfig
@@ -46,6 +47,25 @@ def _chunk_stats(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dt
     return logprob, entropy, lse
 
 
+def _chunk_stats_keeping(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dtype):
+    """`_chunk_stats`, plus softmax(logits / T) [c, V] for backward (which then needs no second pass over the
+    logits)."""
+    scaled = logits.to(acc) * inv_temp
+    lse = torch.logsumexp(scaled, dim=-1)
+    logprob = scaled.gather(1, targets[:, None]).squeeze(1) - lse
+    probs = torch.exp(scaled - lse[:, None])
+    entropy = lse - (probs * scaled).sum(-1)
+    return logprob, entropy, lse, probs
+
+
+def _grad_from_probs(probs: Tensor, targets: Tensor, grad: Tensor, inv_temp: float, out: torch.dtype):
+    """`_chunk_grad` from kept probabilities: grad * (onehot(target) - probs) / T."""
+    scale = grad * inv_temp
+    grad_logits = probs * -scale[:, None]
+    grad_logits[torch.arange(len(targets), device=probs.device), targets] += scale
+    return grad_logits.to(out)
+
+
 def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_temp: float, out: torch.dtype):
     """d(sum grad * logprob)/d logits = grad * (onehot(target) - softmax) / T, in one pass over the logits."""
     probs = torch.exp(logits.to(lse.dtype) * inv_temp - lse[:, None])
@@ -56,6 +76,9 @@ def _chunk_grad(logits: Tensor, targets: Tensor, lse: Tensor, grad: Tensor, inv_
 
 _compiled: dict[str, object] = {}
 MIN_BUCKET_ROWS = 128
+# Where the compiled kernels are not used (CPU), forward keeps the softmax of all its rows when it takes at most this
+# many bytes: backward then skips recomputing the logits (a matmul as large as forward's) and the pass over them.
+KEEP_PROBS_BYTES = 512 * 2**20
 
 
 def _kernel(name: str, fn, device: torch.device):
@@ -91,49 +114,64 @@ def _padded(t: Tensor, rows: int) -> Tensor:
 class _FusedLogprobs(torch.autograd.Function):
     """log softmax(h W^T / T)[target] and the entropy of softmax(h W^T / T), `chunk` rows of h at a time.
 
-    Forward keeps only h, W, targets and the per-row log-sum-exp; backward recomputes each chunk's logits. The entropy
-    is an output without gradient (a metric, not a loss term).
+    Forward keeps h, W, targets and the per-row log-sum-exp; backward recomputes each chunk's logits, except where
+    forward kept the probabilities (uncompiled, at most KEEP_PROBS_BYTES of them). Forward's matmuls run in `dtype`,
+    backward's in `grad_dtype`. The entropy is an output without gradient (a metric, not a loss term).
     """
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: float, chunk: int, dtype: torch.dtype):
+    def forward(
+        ctx, hidden: Tensor, weight: Tensor, targets: Tensor, inv_temp: float, chunk: int, dtype: torch.dtype,
+        grad_dtype: torch.dtype,
+    ):
         n = hidden.shape[0]
         w = weight.to(dtype)
         acc = torch.promote_types(dtype, torch.float32)  # softmax statistics: float32 at least
         stats = _kernel("stats", _chunk_stats, hidden.device)
         pad = stats is not _chunk_stats
+        keep = not pad and n * weight.shape[0] * acc.itemsize <= KEEP_PROBS_BYTES
         logprobs = hidden.new_empty(n, dtype=acc)
         entropy = hidden.new_empty(n, dtype=acc)
         lse = hidden.new_empty(n, dtype=acc)
+        probs = hidden.new_empty((n, weight.shape[0]) if keep else (0,), dtype=acc)
         for start, end, rows in _chunks(n, chunk, pad):
             logits = _padded(hidden[start:end].to(dtype), rows) @ w.T
+            if keep:
+                logprobs[start:end], entropy[start:end], lse[start:end], probs[start:end] = _chunk_stats_keeping(
+                    logits, targets[start:end], inv_temp, acc
+                )
+                continue
             chunk_stats = stats(logits, _padded(targets[start:end], rows), inv_temp, acc)
             logprobs[start:end], entropy[start:end], lse[start:end] = (t[: end - start] for t in chunk_stats)
-        ctx.pad = pad
-        ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.inv_temp, ctx.chunk, ctx.dtype = inv_temp, chunk, dtype
+        ctx.pad, ctx.keep = pad, keep
+        ctx.save_for_backward(hidden, weight, targets, lse, probs)
+        ctx.inv_temp, ctx.chunk, ctx.dtype, ctx.grad_dtype = inv_temp, chunk, dtype, grad_dtype
         ctx.mark_non_differentiable(entropy)
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
-        hidden, weight, targets, lse = ctx.saved_tensors
-        dtype = ctx.dtype
-        w = weight.to(dtype)
+        hidden, weight, targets, lse, probs = ctx.saved_tensors
+        w = None if ctx.keep else weight.to(ctx.dtype)
+        w_grad = w if w is not None and ctx.grad_dtype == ctx.dtype else weight.to(ctx.grad_dtype)
         grad_of_logits = _kernel("grad", _chunk_grad, hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
         for start, end, rows in _chunks(hidden.shape[0], ctx.chunk, ctx.pad):
-            h = _padded(hidden[start:end].to(dtype), rows)
-            logits = h @ w.T
-            # padded rows get a zero gradient: they add nothing to grad_weight
-            grad_logits = grad_of_logits(
-                logits, _padded(targets[start:end], rows), _padded(lse[start:end], rows),
-                _padded(grad_logprobs[start:end].to(lse.dtype), rows), ctx.inv_temp, dtype,
-            )
-            grad_hidden[start:end] = (grad_logits @ w)[: end - start]
-            grad_weight += grad_logits.T @ h
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+            h = _padded(hidden[start:end], rows)
+            g = _padded(grad_logprobs[start:end].to(lse.dtype), rows)
+            if ctx.keep:
+                grad_logits = _grad_from_probs(probs[start:end], targets[start:end], g, ctx.inv_temp, ctx.grad_dtype)
+            else:  # the logits again, in forward's dtype (the log-sum-exp it kept is theirs)
+                logits = h.to(ctx.dtype) @ w.T
+                # padded rows get a zero gradient: they add nothing to grad_weight
+                grad_logits = grad_of_logits(
+                    logits, _padded(targets[start:end], rows), _padded(lse[start:end], rows), g, ctx.inv_temp,
+                    ctx.grad_dtype,
+                )
+            grad_hidden[start:end] = (grad_logits @ w_grad)[: end - start]
+            grad_weight += grad_logits.T @ h.to(ctx.grad_dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
 
 
 def fused_logprobs(
@@ -143,14 +181,16 @@ def fused_logprobs(
     temperature: float = 1.0,
     chunk_tokens: int = 4096,
     dtype: torch.dtype | None = None,
+    grad_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of `targets` [n] and entropies under softmax(hidden [n, d] @ weight [V, d]^T / temperature).
 
-    The matmuls run in `dtype` (default: hidden's), the softmax statistics and outputs in float32 (or float64)."""
+    Forward's matmuls run in `dtype` (default: hidden's), backward's in `grad_dtype` (default: `dtype`), the softmax
+    statistics and outputs in float32 (or float64)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
     dtype = dtype or hidden.dtype
-    return _FusedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, dtype)
+    return _FusedLogprobs.apply(hidden, weight, targets, 1.0 / temperature, chunk_tokens, dtype, grad_dtype or dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -298,6 +338,72 @@ def predecessor_positions(sample_index: Tensor, parent_index: Tensor | None = No
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Backward matmuls in a lower precision
+
+
+class _LinearCastingGrads(torch.autograd.Function):
+    """F.linear whose backward runs its two matmuls in `grad_dtype` (forward, and so the log-probs, unchanged):
+    the gradients autocast would give, where forward's numerics must stay those of the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, grad_dtype: torch.dtype):
+        ctx.save_for_backward(x, weight)
+        ctx.grad_dtype = grad_dtype
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        low = flat.to(ctx.grad_dtype)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (low @ weight.to(ctx.grad_dtype)).to(x.dtype).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (low.T @ x.reshape(-1, x.shape[-1]).to(ctx.grad_dtype)).to(weight.dtype)
+        if ctx.needs_input_grad[2]:
+            grad_b = flat.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class LinearCastingGrads(nn.Linear):
+    """An nn.Linear (same parameters and state dict) whose backward matmuls run in `grad_dtype`."""
+
+    grad_dtype: torch.dtype = torch.bfloat16
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _LinearCastingGrads.apply(x, self.weight, self.bias, self.grad_dtype)
+
+
+def cast_linear_grads(module: nn.Module, grad_dtype: torch.dtype) -> int:
+    """Make every plain nn.Linear under `module` a LinearCastingGrads; returns how many."""
+    count = 0
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = LinearCastingGrads
+            child.grad_dtype = grad_dtype
+            count += 1
+    return count
+
+
+def backward_dtype_for(choice: str, compute_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """`auto`: bfloat16 for a float32 model on a CPU with bfloat16 dot products (oneDNN), the compute dtype
+    otherwise."""
+    if choice != "auto":
+        chosen = getattr(torch, choice)
+        if chosen != compute_dtype and compute_dtype != torch.float32:
+            raise ValueError(f"train.backward_dtype = {choice!r} needs a float32 model; its compute dtype is "
+                             f"{str(compute_dtype).removeprefix('torch.')} (model.dtype)")
+        return chosen
+    if (
+        device.type == "cpu" and compute_dtype == torch.float32 and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    ):
+        return torch.bfloat16
+    return compute_dtype
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The policy module
 
 
@@ -310,12 +416,18 @@ class PolicyOutput:
 class Policy(nn.Module):
     """A causal LM (optionally wrapped by peft) plus the fused log-prob head. The FSDP2 root when sharded."""
 
-    def __init__(self, lm: nn.Module, attention: str, compute_dtype: torch.dtype, chunk_tokens: int):
+    def __init__(
+        self, lm: nn.Module, attention: str, compute_dtype: torch.dtype, chunk_tokens: int,
+        backward_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.lm = lm
         self.attention = attention
         self.compute_dtype = compute_dtype
+        self.backward_dtype = backward_dtype or compute_dtype
         self.chunk_tokens = chunk_tokens
+        if self.backward_dtype != compute_dtype:
+            cast_linear_grads(lm, self.backward_dtype)
         head = self.causal_lm.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError("output heads with a bias are not supported")
@@ -357,7 +469,7 @@ class Policy(nn.Module):
         weight = causal_lm.get_output_embeddings().weight
         logprobs, entropy = fused_logprobs(
             hidden[rows, previous[rows, columns]], weight, input_ids[rows, columns], temperature, self.chunk_tokens,
-            self.compute_dtype,
+            self.compute_dtype, self.backward_dtype,
         )
         full = torch.zeros(input_ids.shape, dtype=logprobs.dtype, device=logprobs.device)
         return PolicyOutput(
@@ -401,7 +513,8 @@ def build_policy(
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora_cfg.enabled:
         lm = _add_lora(lm, lora_cfg, train_cfg.seed)
-    policy = Policy(lm, attention, compute_dtype, train_cfg.logprob_chunk_tokens)
+    backward_dtype = backward_dtype_for(train_cfg.backward_dtype, compute_dtype, device)
+    policy = Policy(lm, attention, compute_dtype, train_cfg.logprob_chunk_tokens, backward_dtype)
     policy.train()
     if train_cfg.compile:
         for layer in policy.decoder_layers:

@@ -70,7 +70,7 @@ class HFEngine(Engine):
     CUDA + bfloat16 when a GPU is present, else CPU + float32. `max_batch_size` rows decode together; more requests
     wait. `decoder` "fast" uses the static-KV-cache decoder (Llama/Qwen families), "reference" the uncached HF
     forward, "auto" the fast one where supported. `cuda_graphs` (default: on for CUDA) captures decode steps;
-    `compile` compiles the fast decoder's decode layer at start.
+    `compile` (default: on for CUDA) compiles the fast decoder's decode layer at start.
     `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
     them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
     their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `seed` seeds the
@@ -89,7 +89,7 @@ class HFEngine(Engine):
         max_prefill_tokens: int = 8192,
         decoder: DecoderKind = "auto",
         cuda_graphs: bool | None = None,
-        compile: bool = False,
+        compile: bool | None = None,
         decode_steps: int = 8,
         threads: int | None = None,
         seed: int | None = None,
@@ -110,7 +110,7 @@ class HFEngine(Engine):
         self.max_prefill_tokens = max_prefill_tokens
         self.decoder_kind = decoder
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.compile = compile
+        self.compile = self.device.type == "cuda" if compile is None else compile
         self.decode_steps = decode_steps
         self.policy_version = 0
         self._seeds = random.Random(seed)

@@ -30,8 +30,12 @@ _SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
 _MIN_SPAN = 128
 
 
-def _onednn_bf16() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+def _onednn_prepacks(dtype: torch.dtype) -> bool:
+    """Whether oneDNN multiplies by pre-laid-out weights in `dtype` on this CPU (float32 always, where oneDNN is
+    built in; bfloat16 where the CPU has bfloat16 dot products)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -53,9 +57,10 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 
 class _Projection:
-    """One matmul of the forward, x @ weight.T (+ bias). With `prepack` (bfloat16 on CPU) it multiplies by a copy of
-    the weight laid out once for oneDNN, which saves the re-layout every call otherwise pays; `refresh()` re-packs
-    after the weight changed in place."""
+    """One matmul of the forward, x @ weight.T (+ bias). With `prepack` (on CPU) it multiplies by a copy of the weight
+    laid out once for oneDNN, which saves the re-layout every call otherwise pays (at 16 rows on one core: float32
+    1.3-2x faster than `F.linear`, bfloat16 2-4x; benchmarks/NOTES.md); `refresh()` re-packs after the weight
+    changed in place."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool):
         self.weight, self.bias, self.prepack = weight, bias, prepack
@@ -146,7 +151,10 @@ class LlamaDecoder(Decoder):
         self.dtype = model.dtype
         # q/k/v and gate/up each become one matmul: the HF parameters are re-pointed at slices of the fused
         # tensors, so the model is unchanged for every other user and in-place weight updates reach both.
-        prepack = self.device.type == "cpu" and model.dtype == torch.bfloat16 and _onednn_bf16()
+        # inductor lowers a float32 packed matmul only where the weight is a constant of the graph (frozen), never an
+        # argument as here: the compiled float32 layer multiplies the plain weights
+        prepack = (self.device.type == "cpu" and _onednn_prepacks(model.dtype)
+                   and not (compile and model.dtype == torch.float32))
         self.projections = [
             {
                 "qkv": _Projection(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), prepack),
