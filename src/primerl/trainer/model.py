@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from primerl.config.common import ModelConfig
 from primerl.config.trainer import LoraConfig, TrainingConfig
+from primerl.cpu import onednn_bf16
 from primerl.trainer.dist import DistInfo
 
 log = logging.getLogger(__name__)
@@ -38,24 +39,21 @@ log = logging.getLogger(__name__)
 # Fused, chunked log-probs and entropy
 
 
-def _chunk_stats(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dtype):
-    """(log-prob of target, entropy, log-sum-exp) per row of raw logits [c, V]."""
-    scaled = logits.to(acc) * inv_temp
-    lse = torch.logsumexp(scaled, dim=-1)
-    logprob = scaled.gather(1, targets[:, None]).squeeze(1) - lse
-    entropy = lse - (torch.exp(scaled - lse[:, None]) * scaled).sum(-1)
-    return logprob, entropy, lse
-
-
 def _chunk_stats_keeping(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dtype):
-    """`_chunk_stats`, plus softmax(logits / T) [c, V] for backward (which then needs no second pass over the
-    logits)."""
+    """(log-prob of target, entropy, log-sum-exp, softmax [c, V]) per row of raw logits [c, V]: the softmax for a
+    backward that then needs no second pass over the logits."""
     scaled = logits.to(acc) * inv_temp
     lse = torch.logsumexp(scaled, dim=-1)
     logprob = scaled.gather(1, targets[:, None]).squeeze(1) - lse
     probs = torch.exp(scaled - lse[:, None])
     entropy = lse - (probs * scaled).sum(-1)
     return logprob, entropy, lse, probs
+
+
+def _chunk_stats(logits: Tensor, targets: Tensor, inv_temp: float, acc: torch.dtype):
+    """(log-prob of target, entropy, log-sum-exp) per row of raw logits [c, V]; compiled, the softmax it does not
+    return is never written out (fused into the entropy's sum)."""
+    return _chunk_stats_keeping(logits, targets, inv_temp, acc)[:3]
 
 
 def _grad_from_probs(probs: Tensor, targets: Tensor, grad: Tensor, inv_temp: float, out: torch.dtype):
@@ -395,10 +393,7 @@ def backward_dtype_for(choice: str, compute_dtype: torch.dtype, device: torch.de
             raise ValueError(f"train.backward_dtype = {choice!r} needs a float32 model; its compute dtype is "
                              f"{str(compute_dtype).removeprefix('torch.')} (model.dtype)")
         return chosen
-    if (
-        device.type == "cpu" and compute_dtype == torch.float32 and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    ):
+    if device.type == "cpu" and compute_dtype == torch.float32 and onednn_bf16():
         return torch.bfloat16
     return compute_dtype
 

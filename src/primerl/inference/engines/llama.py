@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from primerl.cpu import onednn_bf16
 from primerl.inference.engines.decoders import Decoder
 from primerl.inference.engines.sampling import sample_unfiltered
 
@@ -35,7 +36,7 @@ def _onednn_prepacks(dtype: torch.dtype) -> bool:
     built in; bfloat16 where the CPU has bfloat16 dot products)."""
     if not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
 
 
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
