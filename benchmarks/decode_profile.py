@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine import ARCHITECTURES, random_init_dir
+from engine import ARCHITECTURES, DECODE_VARIANTS, apply_decode_variant, random_init_dir
 from report import emit
 
 from primerl.inference.engines.llama import LlamaDecoder
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=sorted(ARCHITECTURES), default="smollm2-135m")
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--variant", choices=DECODE_VARIANTS, default="default",
+                        help="default: eager, then compiled; else only the compiled layer with this experiment "
+                        "(benchmarks/engine.py apply_decode_variant)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -81,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     model.requires_grad_(False)
     result = {"arch": args.arch, "rows": args.rows, "span": 256, "torch": torch.__version__}
     with torch.inference_mode():
-        for compile in (False, True):
-            result["compiled" if compile else "eager"] = measure(model, args.rows, compile, args.steps)
+        if args.variant == "default":
+            for compile in (False, True):
+                result["compiled" if compile else "eager"] = measure(model, args.rows, compile, args.steps)
+        else:
+            apply_decode_variant(args.variant)
+            result[f"compiled_{args.variant}"] = measure(model, args.rows, True, args.steps)
     emit(result, args.out)
     return 0
 

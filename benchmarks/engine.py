@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from report import emit  # benchmarks/report.py
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -159,6 +160,32 @@ def _commit() -> str | None:
     return result.stdout.strip() or None
 
 
+DECODE_VARIANTS = ("default", "autotune", "sdpa")
+
+
+def apply_decode_variant(name: str) -> None:
+    """Experiments on the compiled decode layer, for the profile (benchmarks/NOTES.md, section 8): `autotune`
+    compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues, no cudagraphs: the engine
+    captures its own); `sdpa` computes decode attention with torch SDPA (one fused kernel where the engine's own is
+    two batched products and a softmax)."""
+    from primerl.inference.engines import llama
+
+    if name == "autotune":
+        plain = torch.compile
+
+        def compile_autotuned(function, **kwargs):
+            return plain(function, **kwargs, mode="max-autotune-no-cudagraphs")
+
+        torch.compile = compile_autotuned  # for this process: the decode layer is all it compiles
+    elif name == "sdpa":
+        def sdpa_attention(q, keys, values, visible):
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+
+        llama._decode_attention = sdpa_attention
+    elif name != "default":
+        raise ValueError(f"unknown decode variant {name!r}; one of {', '.join(DECODE_VARIANTS)}")
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy bandwidth, bytes read + written per second (best of 10 copies of 1 GiB)."""
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
@@ -273,12 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         help="torch.compile the decode layer (inference.compile; default: the engine's, on for CUDA); "
         "engine_start_s includes the compile",
     )
+    parser.add_argument("--decode-variant", choices=DECODE_VARIANTS, default="default",
+                        help="an experiment on the compiled decode layer (see apply_decode_variant)")
     parser.add_argument("--generate-batch", action="store_true", help="also time transformers' generate_batch")
     parser.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[DEFAULT_DECODE_STEPS],
                         help="the engine's decode_steps; a comma list times each (e.g. 1,8,16)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
+    apply_decode_variant(args.decode_variant)
     result = asyncio.run(benchmark(args))
+    result["decode_variant"] = args.decode_variant
     emit(result, args.out)
     return 0
 

@@ -6,7 +6,7 @@
 #
 #   bash benchmarks/gpu_rl_x1.sh check OUT     # engine self-check with graphs, P3, weight handoff, one P1 round
 #   bash benchmarks/gpu_rl_x1.sh handoff OUT   # the shared weight handoff alone (Qwen3-0.6B, 3 versions)
-#   bash benchmarks/gpu_rl_x1.sh p3 OUT        # decode profile (eager vs compiled), self-check and P3, compiled and not
+#   bash benchmarks/gpu_rl_x1.sh p3 OUT        # decode profile (eager, compiled, experiments), then P3 compiled
 #   bash benchmarks/gpu_rl_x1.sh p1 OUT        # P1 alone: P1_ROUNDS (default 2) alternating pairs, primerl's logs
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
@@ -95,15 +95,16 @@ check)
         --no-nccl-probe --budget-s 120 --out "$out/weight_transfer_h200.json"
     p1_round p1_round0
     ;;
-p3)  # the compiled decode step against the eager one: kernels per step, then P3 through the engine
-    run selfcheck 120 python3 -m primerl.inference.engines.llama cuda --compile
-    for arch in smollm2-135m qwen3-0.6b; do
-        TORCH_LOGS=recompiles run "profile_$arch" 150 python3 benchmarks/decode_profile.py --arch "$arch" \
-            --out "$out/decode_profile_$arch.json"
-        for mode in compile no-compile; do
-            TORCH_LOGS=recompiles run "p3_${arch}_$mode" 120 python3 benchmarks/engine.py --random-init --arch "$arch" \
-                --repeats 2 --decode-steps 1,8 --"$mode" --out "$out/p3_${arch}_$mode.json"
+p3)  # the compiled decode step against the eager one and the experiments of P3_VARIANTS (default: autotune sdpa):
+    # kernels per step; then P3 through the engine, compiled, at P3_DECODE_STEPS (default 8,32) decode steps per call;
+    # for each of P3_ARCHS (default both)
+    for arch in ${P3_ARCHS:-smollm2-135m qwen3-0.6b}; do
+        for variant in default ${P3_VARIANTS-autotune sdpa}; do
+            TORCH_LOGS=recompiles run "profile_${arch}_$variant" 150 python3 benchmarks/decode_profile.py \
+                --arch "$arch" --variant "$variant" --out "$out/decode_profile_${arch}_$variant.json"
         done
+        TORCH_LOGS=recompiles run "p3_${arch}" 150 python3 benchmarks/engine.py --random-init --arch "$arch" \
+            --repeats 2 --decode-steps "${P3_DECODE_STEPS:-8,32}" --compile --out "$out/p3_${arch}.json"
     done
     ;;
 handoff)
