@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from report import emit  # benchmarks/report.py
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -160,14 +159,14 @@ def _commit() -> str | None:
     return result.stdout.strip() or None
 
 
-DECODE_VARIANTS = ("default", "autotune", "sdpa")
+DECODE_VARIANTS = ("default", "autotune", "grouped")
 
 
 def apply_decode_variant(name: str) -> None:
     """Experiments on the compiled decode layer, for the profile (benchmarks/NOTES.md, section 8): `autotune`
-    compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues, no cudagraphs: the engine
-    captures its own); `sdpa` computes decode attention with torch SDPA (one fused kernel where the engine's own is
-    two batched products and a softmax)."""
+    compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues; no cudagraphs, the engine
+    captures its own); `grouped` computes decode attention on CUDA with the grouped products the CPU uses (two batched
+    products and a softmax) instead of SDPA."""
     from primerl.inference.engines import llama
 
     if name == "autotune":
@@ -177,11 +176,8 @@ def apply_decode_variant(name: str) -> None:
             return plain(function, **kwargs, mode="max-autotune-no-cudagraphs")
 
         torch.compile = compile_autotuned  # for this process: the decode layer is all it compiles
-    elif name == "sdpa":
-        def sdpa_attention(q, keys, values, visible):
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-
-        llama._decode_attention = sdpa_attention
+    elif name == "grouped":
+        llama._sdpa_decode_attention = llama._decode_attention
     elif name != "default":
         raise ValueError(f"unknown decode variant {name!r}; one of {', '.join(DECODE_VARIANTS)}")
 

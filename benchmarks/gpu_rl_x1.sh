@@ -95,11 +95,11 @@ check)
         --no-nccl-probe --budget-s 120 --out "$out/weight_transfer_h200.json"
     p1_round p1_round0
     ;;
-p3)  # the compiled decode step against the eager one and the experiments of P3_VARIANTS (default: autotune sdpa):
+p3)  # the compiled decode step against the eager one and the experiments of P3_VARIANTS (default: grouped):
     # kernels per step; then P3 through the engine, compiled, at P3_DECODE_STEPS (default 8,32) decode steps per call;
     # for each of P3_ARCHS (default both)
     for arch in ${P3_ARCHS:-smollm2-135m qwen3-0.6b}; do
-        for variant in default ${P3_VARIANTS-autotune sdpa}; do
+        for variant in default ${P3_VARIANTS-grouped}; do
             TORCH_LOGS=recompiles run "profile_${arch}_$variant" 150 python3 benchmarks/decode_profile.py \
                 --arch "$arch" --variant "$variant" --out "$out/decode_profile_${arch}_$variant.json"
         done

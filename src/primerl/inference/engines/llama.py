@@ -102,6 +102,15 @@ def _decode_attention(
     return torch.matmul(probs, values).view(batch, heads, 1, dim)
 
 
+def _sdpa_decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
+) -> torch.Tensor:
+    """`_decode_attention` through torch SDPA: on CUDA one fused kernel (cuDNN's) where the grouped products are
+    three, 5-8 % of a compiled decode step on an H200 (benchmarks/NOTES.md, section 8); on the CPU the grouped
+    products are the faster (SDPA's CPU kernel repeats the keys per query head)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
+
+
 def _compiled(function):
     """torch.compile `function`, whose inputs' dynamic dimensions the caller marks (`torch._dynamo.mark_dynamic`);
     every other size is static. Duck sizing is off while it compiles: sizes equal at the first call (a span and the
@@ -356,19 +365,25 @@ class LlamaDecoder(Decoder):
     def _decode_forward(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         """One token per row for rows 0..len(tokens)-1, attending to positions < min(position + 1, span)."""
         rows = tokens.shape[0]
-        capacity = self.k_cache[0].shape[2]
         visible = (self.window[:span][None, :] <= positions[:, None])[:, None, None, :]
-        # flat index of (row, kv head, position) in a cache viewed as [rows * kv_heads * capacity, head_dim]
-        heads = torch.arange(rows * self.num_kv_heads, device=self.device)
-        slots = heads * capacity + positions.repeat_interleave(self.num_kv_heads)
-        hidden = self._forward(tokens[:, None], positions[:, None], self._decode_attend, slots, visible, decoding=True)
+        # where each row's new keys and values go: (row, kv head, its position), indices broadcast to [rows, kv_heads]
+        where = (
+            torch.arange(rows, device=self.device)[:, None],
+            torch.arange(self.num_kv_heads, device=self.device)[None, :],
+            positions[:, None],
+        )
+        hidden = self._forward(tokens[:, None], positions[:, None], self._decode_attend, *where, visible, decoding=True)
         return self._logits(hidden[:, 0])
 
-    def _decode_attend(self, q, k, v, k_cache, v_cache, slots, visible) -> torch.Tensor:
+    def _decode_attend(self, q, k, v, k_cache, v_cache, row, head, position, visible) -> torch.Tensor:
+        # index_put_ on the cache itself: torch.compile writes it in place. The same write through a view of the
+        # cache (view(-1, head_dim).index_copy_) compiles, on torch 2.10-2.11, to a copy of the whole cache per layer
+        # and step: half of the compiled step's time on an H200 (benchmarks/NOTES.md, section 8)
         rows, span = q.shape[0], visible.shape[-1]
-        k_cache.view(-1, self.head_dim).index_copy_(0, slots, k.reshape(-1, self.head_dim))
-        v_cache.view(-1, self.head_dim).index_copy_(0, slots, v.reshape(-1, self.head_dim))
-        return _decode_attention(q, k_cache[:rows, :, :span], v_cache[:rows, :, :span], visible)
+        k_cache.index_put_((row, head, position), k[:, :, 0])
+        v_cache.index_put_((row, head, position), v[:, :, 0])
+        attention = _sdpa_decode_attention if q.is_cuda else _decode_attention
+        return attention(q, k_cache[:rows, :, :span], v_cache[:rows, :, :span], visible)
 
     @torch.inference_mode()
     def decode(self, tokens: list[int], positions: list[int]) -> torch.Tensor:
