@@ -234,7 +234,7 @@ def _gpu_name() -> str | None:
 
 def _commit() -> str | None:
     result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False)
-    return result.stdout.strip() or os.environ.get("PRIMERL_COMMIT")
+    return os.environ.get("PRIMERL_COMMIT") or result.stdout.strip() or None
 
 
 def main(argv: list[str] | None = None) -> int:
