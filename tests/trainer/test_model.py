@@ -220,3 +220,39 @@ def test_only_wanted_tokens_pay_for_the_head():
     part = policy(ids, torch.arange(12)[None], torch.zeros_like(ids), wanted=wanted)
     torch.testing.assert_close(part.logprobs[wanted], full.logprobs[wanted])
     assert not part.logprobs[~wanted].any()
+
+
+def test_compiled_layers_with_bfloat16_backward_match_the_uncompiled_ones():
+    """`train.compile` with the bfloat16 backward (the CPU's `auto` choice): the compiled decoder layers give the
+    uncompiled layers' log-probs and, within rounding, their gradients."""
+    samples = group_samples() + random_samples([6, 11])
+    a = {k: torch.from_numpy(v).long() for k, v in pack_samples(samples, 64, share_prefixes=True).arrays.items()}
+    results = {}
+    for compile in (False, True):
+        train = TrainingConfig(attention="sdpa", logprob_chunk_tokens=5, backward_dtype="bfloat16", compile=compile)
+        policy, _ = build_policy(ModelConfig(name="tiny"), train, LoraConfig(), torch.device("cpu"), DistInfo())
+        out = policy(a["input_ids"], a["position_ids"], a["sample_index"], temperature=0.9,
+                     parent_index=a["parent_index"], wanted=a["loss_mask"].bool())
+        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
+        grads = {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+        results[compile] = out.logprobs.detach(), grads
+    (eager_lp, eager_grads), (compiled_lp, compiled_grads) = results[False], results[True]
+    torch.testing.assert_close(compiled_lp, eager_lp, atol=2e-5, rtol=1e-5)
+    assert compiled_grads.keys() == eager_grads.keys()
+    for name, grad in eager_grads.items():
+        error = (compiled_grads[name] - grad).norm() / grad.norm()
+        assert error < 2e-3, (name, error)  # the same bfloat16 products; fusion rounds a few sums differently
+
+
+def test_low_precision_copy_is_made_once_per_weight_version():
+    """The backward's bfloat16 weight copies: one per version of the weight (the micro-batches of a step share it),
+    a new one once the weight changed in place (as the optimizer changes it), the weight itself where no cast is due."""
+    weight = torch.nn.Parameter(torch.randn(8, 4))
+    first = model.low_precision_copy(weight, torch.bfloat16)
+    assert first.dtype == torch.bfloat16 and torch.equal(first, weight.detach().to(torch.bfloat16))
+    assert model.low_precision_copy(weight, torch.bfloat16) is first
+    with torch.no_grad():
+        weight.add_(1.0)
+    second = model.low_precision_copy(weight, torch.bfloat16)
+    assert second is not first and torch.equal(second, weight.detach().to(torch.bfloat16))
+    assert model.low_precision_copy(weight, torch.float32) is weight
