@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import platform
+
 import torch
 
 
@@ -9,3 +12,30 @@ def onednn_bf16() -> bool:
     """Whether oneDNN multiplies bfloat16 with the CPU's bfloat16 dot products (AVX512-BF16 or AMX): where it does, a
     bfloat16 matmul runs about twice as fast as a float32 one (benchmarks/NOTES.md)."""
     return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+_M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
+_M_MMAP_MAX = -4
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's malloc (glibc) keep the memory it frees for its next allocations instead of handing it back
+    to the system: no block gets a mapping of its own (glibc maps every block above 32 MB afresh, e.g. a trainer's
+    [tokens, vocabulary] logits and its [vocabulary, hidden] gradients, and unmaps it when freed), and the heap is not
+    trimmed below 2 GiB of free space. A CPU trainer step otherwise touches fresh pages for all of those every step:
+    on a shared 2-core machine a third of its time went to page faults (benchmarks/NOTES.md). Memory stays at the
+    process's peak. Returns whether it applied (glibc only)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def keep_freed_memory_on_cpu(device: str) -> bool:
+    """`keep_freed_memory()` for a process whose device setting (`auto`, `cpu`, `cuda`, `cuda:N`) puts its work on the
+    CPU; a no-op otherwise (a GPU process's large blocks are the device's, and its host memory may need to shrink)."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return on_cpu and keep_freed_memory()

@@ -19,6 +19,7 @@ import torch
 
 from primerl.config import config_from_argv
 from primerl.config.trainer import RolloutDataConfig, TrainerConfig
+from primerl.cpu import keep_freed_memory_on_cpu
 from primerl.storage import storage_failure
 from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
 from primerl.trainer.loss import LossInputs, LossOutput, load_loss
@@ -106,6 +107,7 @@ def fill_on_policy_logprobs(trainer: Trainer, batch: list[MicroBatch]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_argv(TrainerConfig, argv, prog="primerl trainer")
     setup_logging(int(os.environ.get("RANK", "0")), "trainer")
+    keep_freed_memory_on_cpu(cfg.train.device)
     try:
         train(cfg)
     except BaseException as e:  # torch's CheckpointException is a BaseException

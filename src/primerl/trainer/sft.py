@@ -23,6 +23,7 @@ import numpy as np
 
 from primerl.config import config_from_argv
 from primerl.config.sft import SFTConfig, SFTDataConfig
+from primerl.cpu import keep_freed_memory_on_cpu
 from primerl.trainer.core import MicroBatch, Trainer, TrainerParts, micro_batches, setup_logging
 from primerl.trainer.loss import LossOutput
 from primerl.trainer.model import PolicyOutput
@@ -187,6 +188,7 @@ def train(cfg: SFTConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_argv(SFTConfig, argv, prog="primerl sft")
     setup_logging(int(os.environ.get("RANK", "0")), "sft")
+    keep_freed_memory_on_cpu(cfg.train.device)
     train(cfg)
     return 0
 
