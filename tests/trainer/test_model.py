@@ -242,17 +242,3 @@ def test_compiled_layers_with_bfloat16_backward_match_the_uncompiled_ones():
     for name, grad in eager_grads.items():
         error = (compiled_grads[name] - grad).norm() / grad.norm()
         assert error < 2e-3, (name, error)  # the same bfloat16 products; fusion rounds a few sums differently
-
-
-def test_low_precision_copy_is_made_once_per_weight_version():
-    """The backward's bfloat16 weight copies: one per version of the weight (the micro-batches of a step share it),
-    a new one once the weight changed in place (as the optimizer changes it), the weight itself where no cast is due."""
-    weight = torch.nn.Parameter(torch.randn(8, 4))
-    first = model.low_precision_copy(weight, torch.bfloat16)
-    assert first.dtype == torch.bfloat16 and torch.equal(first, weight.detach().to(torch.bfloat16))
-    assert model.low_precision_copy(weight, torch.bfloat16) is first
-    with torch.no_grad():
-        weight.add_(1.0)
-    second = model.low_precision_copy(weight, torch.bfloat16)
-    assert second is not first and torch.equal(second, weight.detach().to(torch.bfloat16))
-    assert model.low_precision_copy(weight, torch.float32) is weight

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from primerl.config.common import ModelConfig
 from primerl.config.trainer import LoraConfig, TrainingConfig
@@ -155,7 +154,7 @@ class _FusedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_logprobs: Tensor, _grad_entropy: Tensor):
         hidden, weight, targets, lse, probs = ctx.saved_tensors
         w = None if ctx.keep else weight.to(ctx.dtype)
-        w_grad = w if w is not None and ctx.grad_dtype == ctx.dtype else low_precision_copy(weight, ctx.grad_dtype)
+        w_grad = w if w is not None and ctx.grad_dtype == ctx.dtype else weight.to(ctx.grad_dtype)
         grad_of_logits = _kernel("grad", _chunk_grad, hidden.device)
         grad_hidden = torch.empty_like(hidden)
         grad_weight = None  # the first chunk's product, then the others added to it: no [V, d] of zeros to fill
@@ -349,26 +348,6 @@ def predecessor_positions(sample_index: Tensor, parent_index: Tensor | None = No
 # Backward matmuls in a lower precision
 
 
-_LOW_PRECISION_COPIES = WeakIdKeyDictionary()  # weight -> (its version when copied, the copy)
-
-
-def low_precision_copy(weight: Tensor, dtype: torch.dtype) -> Tensor:
-    """`weight.to(dtype)` for a backward matmul, made once per version of the weight: the micro-batches of a step
-    share one copy until the optimizer changes the weight in place, which bumps its version counter (on one CPU core
-    the casts were ~5 % of a SmolLM2 step, two micro-batches). A fresh cast each time while compiling, and across
-    processes (FSDP gathers its weights anew for every pass)."""
-    if weight.dtype == dtype:
-        return weight
-    if torch.compiler.is_compiling() or (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return weight.to(dtype)
-    cached = _LOW_PRECISION_COPIES.get(weight)
-    if cached is not None and cached[0] == weight._version and cached[1].dtype == dtype:
-        return cached[1]
-    copy = weight.detach().to(dtype)
-    _LOW_PRECISION_COPIES[weight] = (weight._version, copy)
-    return copy
-
-
 class _LinearCastingGrads(torch.autograd.Function):
     """F.linear whose backward runs its two matmuls in `grad_dtype` (forward, and so the log-probs, unchanged):
     the gradients autocast would give, where forward's numerics must stay those of the compute dtype."""
@@ -386,7 +365,7 @@ class _LinearCastingGrads(torch.autograd.Function):
         low = flat.to(ctx.grad_dtype)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
-            grad_x = (low @ low_precision_copy(weight, ctx.grad_dtype)).to(x.dtype).view(x.shape)
+            grad_x = (low @ weight.to(ctx.grad_dtype)).to(x.dtype).view(x.shape)
         if ctx.needs_input_grad[1]:
             grad_w = (low.T @ x.reshape(-1, x.shape[-1]).to(ctx.grad_dtype)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
