@@ -59,6 +59,17 @@ def probe_envs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture
+def inductor_cpu() -> None:
+    """Skip, with the reason, where torch.compile cannot build CPU code (e.g. no setuptools in the environment)."""
+    import torch
+
+    try:
+        torch.compile(lambda x: x + 1)(torch.ones(2))
+    except Exception as error:  # noqa: BLE001 -- whatever stops inductor here is the reason to print
+        pytest.skip(f"torch.compile cannot build CPU code here: {type(error).__name__}: {str(error)[:200]}")
+
+
+@pytest.fixture
 def port() -> int:
     return free_port()
 

@@ -222,9 +222,10 @@ def test_only_wanted_tokens_pay_for_the_head():
     assert not part.logprobs[~wanted].any()
 
 
-def test_compiled_layers_with_bfloat16_backward_match_the_uncompiled_ones():
+def test_compiled_layers_with_bfloat16_backward_match_the_uncompiled_ones(inductor_cpu):
     """`train.compile` with the bfloat16 backward (the CPU's `auto` choice): the compiled decoder layers give the
-    uncompiled layers' log-probs and, within rounding, their gradients."""
+    uncompiled layers' log-probs and, within rounding, their gradients. Skipped where inductor cannot build CPU
+    code."""
     samples = group_samples() + random_samples([6, 11])
     a = {k: torch.from_numpy(v).long() for k, v in pack_samples(samples, 64, share_prefixes=True).arrays.items()}
     results = {}
