@@ -163,7 +163,7 @@ DECODE_VARIANTS = ("default", "autotune", "grouped")
 
 
 def apply_decode_variant(name: str) -> None:
-    """Experiments on the compiled decode layer, for the profile (benchmarks/NOTES.md, section 8): `autotune`
+    """Experiments on the compiled decode layer, for the profile (benchmarks/NOTES.md, section 9): `autotune`
     compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues; no cudagraphs, the engine
     captures its own); `grouped` computes decode attention on CUDA with the grouped products the CPU uses (two batched
     products and a softmax) instead of SDPA."""

@@ -33,9 +33,3 @@ def keep_freed_memory() -> bool:
         return False
     return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
-
-def keep_freed_memory_on_cpu(device: str) -> bool:
-    """`keep_freed_memory()` for a process whose device setting (`auto`, `cpu`, `cuda`, `cuda:N`) puts its work on the
-    CPU; a no-op otherwise (a GPU process's large blocks are the device's, and its host memory may need to shrink)."""
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    return on_cpu and keep_freed_memory()

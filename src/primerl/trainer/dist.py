@@ -29,6 +29,11 @@ class DistInfo:
         return self.rank == 0
 
 
+def wants_cuda(device_choice: str) -> bool:
+    """Whether `train.device` (`auto`, `cpu`, `cuda`) puts the trainer on CUDA: `auto` does where a device is visible."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+
+
 def setup(device_choice: str) -> tuple[DistInfo, torch.device]:
     """Read torchrun's environment, pick the device, and start the process group when there are several ranks."""
     info = DistInfo(
@@ -36,7 +41,7 @@ def setup(device_choice: str) -> tuple[DistInfo, torch.device]:
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
     )
-    use_cuda = device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
+    use_cuda = wants_cuda(device_choice)
     if use_cuda:
         if not torch.cuda.is_available():
             raise RuntimeError("train.device = 'cuda' but no CUDA device is visible")

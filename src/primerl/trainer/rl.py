@@ -19,9 +19,10 @@ import torch
 
 from primerl.config import config_from_argv
 from primerl.config.trainer import RolloutDataConfig, TrainerConfig
-from primerl.cpu import keep_freed_memory_on_cpu
+from primerl.cpu import keep_freed_memory
 from primerl.storage import storage_failure
 from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
+from primerl.trainer.dist import wants_cuda
 from primerl.trainer.loss import LossInputs, LossOutput, load_loss
 from primerl.trainer.model import PolicyOutput
 from primerl.trainer.optim import allocate_state
@@ -107,7 +108,8 @@ def fill_on_policy_logprobs(trainer: Trainer, batch: list[MicroBatch]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_argv(TrainerConfig, argv, prog="primerl trainer")
     setup_logging(int(os.environ.get("RANK", "0")), "trainer")
-    keep_freed_memory_on_cpu(cfg.train.device)
+    if not wants_cuda(cfg.train.device):  # a GPU trainer's large blocks are the device's
+        keep_freed_memory()
     try:
         train(cfg)
     except BaseException as e:  # torch's CheckpointException is a BaseException

@@ -23,8 +23,9 @@ import numpy as np
 
 from primerl.config import config_from_argv
 from primerl.config.sft import SFTConfig, SFTDataConfig
-from primerl.cpu import keep_freed_memory_on_cpu
+from primerl.cpu import keep_freed_memory
 from primerl.trainer.core import MicroBatch, Trainer, TrainerParts, micro_batches, setup_logging
+from primerl.trainer.dist import wants_cuda
 from primerl.trainer.loss import LossOutput
 from primerl.trainer.model import PolicyOutput
 from primerl.transport.rollouts import Sample, pack_samples, split_rows
@@ -188,7 +189,8 @@ def train(cfg: SFTConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     cfg = config_from_argv(SFTConfig, argv, prog="primerl sft")
     setup_logging(int(os.environ.get("RANK", "0")), "sft")
-    keep_freed_memory_on_cpu(cfg.train.device)
+    if not wants_cuda(cfg.train.device):  # a GPU trainer's large blocks are the device's
+        keep_freed_memory()
     train(cfg)
     return 0
 

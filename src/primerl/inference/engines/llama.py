@@ -106,7 +106,7 @@ def _sdpa_decode_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
 ) -> torch.Tensor:
     """`_decode_attention` through torch SDPA: on CUDA one fused kernel (cuDNN's) where the grouped products are
-    three, 5-8 % of a compiled decode step on an H200 (benchmarks/NOTES.md, section 8); on the CPU the grouped
+    three, 5-12 % of a compiled decode step on an H200 (benchmarks/NOTES.md, section 9); on the CPU the grouped
     products are the faster (SDPA's CPU kernel repeats the keys per query head)."""
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
 
@@ -378,7 +378,7 @@ class LlamaDecoder(Decoder):
     def _decode_attend(self, q, k, v, k_cache, v_cache, row, head, position, visible) -> torch.Tensor:
         # index_put_ on the cache itself: torch.compile writes it in place. The same write through a view of the
         # cache (view(-1, head_dim).index_copy_) compiles, on torch 2.10-2.11, to a copy of the whole cache per layer
-        # and step: half of the compiled step's time on an H200 (benchmarks/NOTES.md, section 8)
+        # and step: half of the compiled step's time on an H200 (benchmarks/NOTES.md, section 9)
         rows, span = q.shape[0], visible.shape[-1]
         k_cache.index_put_((row, head, position), k[:, :, 0])
         v_cache.index_put_((row, head, position), v[:, :, 0])
