@@ -1,5 +1,5 @@
-"""`primerl.cpu.keep_freed_memory`: a freed large block is reused without touching fresh pages (checked in a child
-process, with glibc's own malloc: the setting is process-wide)."""
+"""`primerl.cpu.keep_freed_memory`: a freed large block is reused without touching fresh pages, also by another thread
+than the one that freed it (checked in a child process, with glibc's own malloc: the setting is process-wide)."""
 
 import platform
 import subprocess
@@ -26,15 +26,57 @@ print(applied, max(faults_of_one_block() for _ in range(3)))
 """
 
 
+ACROSS_THREADS = """
+import ctypes, resource, sys, threading
+from primerl.cpu import keep_freed_memory
+applied = keep_freed_memory() if sys.argv[1] == "keep" else False
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+SIZE = 16 * 2**20  # below glibc's mmap threshold once it has grown: a thread's own heap holds it by default
+freed, done = threading.Event(), threading.Event()
+faults = []
+def first():  # e.g. a server's loader thread: allocates, touches and frees a block, and lives on
+    block = libc.malloc(SIZE)
+    ctypes.memset(block, 1, SIZE)
+    libc.free(block)
+    freed.set()
+    done.wait()
+def second():  # e.g. its engine thread, allocating the same size later
+    freed.wait()
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    block = libc.malloc(SIZE)
+    ctypes.memset(block, 1, SIZE)
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    libc.free(block)
+    done.set()
+threads = [threading.Thread(target=first), threading.Thread(target=second)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(applied, faults[0])
+"""
+
+
+def run(script: str, mode: str) -> tuple[bool, int]:
+    out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
+    applied, faults = out.stdout.split()
+    return applied == "True", int(faults)
+
+
 @pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
 def test_freed_blocks_are_reused_without_page_faults():
-    def run(mode):
-        out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True)
-        applied, faults = out.stdout.split()
-        return applied == "True", int(faults)
-
-    applied, kept_faults = run("keep")
-    _, default_faults = run("default")
+    applied, kept_faults = run(CHILD, "keep")
+    _, default_faults = run(CHILD, "default")
     assert applied
     assert default_faults > 10_000  # 64 MiB of 4 KiB pages, mapped afresh every time
     assert kept_faults < 1_000
+
+
+@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_a_block_freed_by_one_thread_is_reused_by_another():
+    applied, kept_faults = run(ACROSS_THREADS, "keep")
+    _, default_faults = run(ACROSS_THREADS, "default")
+    assert applied
+    assert default_faults > 3_000  # 16 MiB of 4 KiB pages in the second thread's own heap
+    assert kept_faults < 500

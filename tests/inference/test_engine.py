@@ -72,6 +72,29 @@ def test_concurrent_greedy_equals_uncached_reference(tiny_model_dir, reference_m
     with_engine(tiny_model_dir, test, decoder=decoder)
 
 
+def test_a_server_that_keeps_freed_memory_packs_twice_at_load_and_serves_the_same_tokens(
+    tiny_model_dir, reference_model, monkeypatch
+):
+    """With freed memory kept (as the CPU server does), the engine writes every weight once and packs the weights a
+    second time at load, for the first weight update's sake: what it serves is unchanged."""
+    from primerl.inference.engines import hf
+
+    monkeypatch.setattr(hf, "keeps_freed_memory", lambda: True)
+    prefaulted = []
+    original = HFEngine._prefault_weight_intake
+    monkeypatch.setattr(HFEngine, "_prefault_weight_intake", lambda self: (prefaulted.append(1), original(self)))
+
+    async def test(engine: HFEngine) -> None:
+        assert prefaulted == [1]
+        params = dict(engine.model.named_parameters())
+        assert all(torch.equal(params[n], p) for n, p in reference_model.named_parameters())
+        results = await asyncio.gather(*(complete(engine, p, GREEDY, f"r{i}") for i, p in enumerate(PROMPTS)))
+        for prompt, (events, _) in zip(PROMPTS, results, strict=True):
+            assert [e.token_id for e in events] == reference_greedy(reference_model, prompt, GREEDY.max_tokens)
+
+    with_engine(tiny_model_dir, test, device="cpu")
+
+
 def test_request_joins_running_batch_mid_decode(tiny_model_dir, reference_model):
     """B arrives while A decodes (A is held by pause a few tokens in); B is admitted at the next step, long before
     A ends, and both still produce exactly their solo greedy output."""

@@ -1,13 +1,11 @@
 """The launcher's child processes: logs, stopping (politely, then by force), dying with the launcher; the process
 plan of `rl` for each device layout (commands and environments, without starting anything); torchrun's teardown."""
 
-import http.server
 import os
 import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 
 import pytest
@@ -64,6 +62,27 @@ def test_stop_sends_sigint_first_and_kills_what_ignores_it(tmp_path):
     stop_all([polite, stubborn], grace_s=10.0)  # the polite one exits at once; the stubborn one waits it out
     assert polite.poll() == 0 and "stopping cleanly" in polite.tail()
     assert stubborn.poll() == -signal.SIGKILL
+
+
+def test_children_of_a_launcher_that_ignores_sigint_still_stop_on_it(tmp_path):
+    """`rl ... &` in a script starts the launcher with SIGINT ignored; its children must not inherit that, or every
+    stop would wait out the grace period and kill them."""
+    child = ManagedProcess("child", python("""
+        import time
+        try:
+            print("ready", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            print("stopping cleanly", flush=True)
+    """), tmp_path / "child.log")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        child.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    wait_for(lambda: "ready" in child.tail().splitlines(), timeout=120)
+    stop_all([child], grace_s=30.0)
+    assert child.poll() == 0 and "stopping cleanly" in child.tail()
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")
@@ -173,32 +192,16 @@ def test_each_process_gets_its_gpus_and_the_trainer_one_rank_per_gpu(tmp_path, n
     assert "PRIMERL_ADMIN_TOKEN" not in processes["trainer"].env
 
 
-def test_on_the_cpu_the_trainer_starts_once_the_server_answers_health(tmp_path):
-    assert all(p.start_when is None for p in plan(tmp_path / "gpus", 2).values())  # GPUs: all three start at once
-    processes = plan(tmp_path, 0)
-    assert processes["inference"].start_when is None and processes["orchestrator"].start_when is None
-    start_trainer = processes["trainer"].start_when
-    port = load(InferenceConfig, ["@", str(tmp_path / "run" / "config" / "inference.toml")])[0].port
-    assert not start_trainer()  # nothing listens on the server's port yet
-    health = {"status": 503}  # what /health answers: 503 while the engine loads, 200 once it serves
+def test_on_the_cpu_the_trainer_warms_up_on_a_row_of_seq_len_before_its_first_batch(tmp_path):
+    def trainer_config(where):
+        return load(TrainerConfig, ["@", str(where / "run" / "config" / "trainer.toml")])[0]
 
-    class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(health["status"] if self.path == "/health" else 404)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        assert not start_trainer()
-        health["status"] = 200
-        assert start_trainer()
-    finally:
-        server.shutdown()
-        server.server_close()
+    plan(tmp_path / "cpu", 0, "--seq_len=320")
+    assert trainer_config(tmp_path / "cpu").train.warm_up_tokens == 320
+    plan(tmp_path / "set", 0, "--seq_len=320", "--trainer.train.warm_up_tokens=0")
+    assert trainer_config(tmp_path / "set").train.warm_up_tokens == 0  # the user's setting stands
+    plan(tmp_path / "gpus", 2, "--seq_len=320")
+    assert trainer_config(tmp_path / "gpus").train.warm_up_tokens == 0
 
 
 def test_gpus_are_named_as_in_the_launchers_cuda_visible_devices(tmp_path):

@@ -71,6 +71,46 @@ def test_trains_on_rollouts_and_publishes_weights(tmp_path):
     assert torch.isfinite(reloaded(ids).logits).all()
 
 
+def test_warm_up_before_the_first_batch_changes_no_step(tmp_path, caplog):
+    plain, warmed = tmp_path / "plain", tmp_path / "warmed"
+    for run_dir in (plain, warmed):
+        write_fixed_batches(run_dir, range(2))
+    train(config(plain, "--train.max_steps", "2"))
+    with caplog.at_level("INFO", logger="primerl.trainer.rl"):
+        train(config(warmed, "--train.max_steps", "2", "--train.warm_up_tokens", "48"))
+    assert "warmed up on a dummy row of 48 tokens" in caplog.text
+    expected, got = read_metrics(plain), read_metrics(warmed)
+    for step in (1, 2):
+        assert [got[step][k] for k in ("loss", "grad_norm", "entropy")] == [
+            expected[step][k] for k in ("loss", "grad_norm", "entropy")], step
+    a, b = (load_file(wt.weights_dir(d, 2) / "model.safetensors") for d in (plain, warmed))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_warm_up_drops_its_gradients_and_leaves_weights_and_optimizer_alone(tmp_path):
+    from primerl.trainer.core import Trainer, TrainerParts, micro_batches
+    from primerl.trainer.loss import LossOutput
+    from primerl.transport.rollouts import Sample, pack_samples
+
+    trainer = Trainer(TrainerParts.of(config(tmp_path)), source="trainer")
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.policy.named_parameters()}
+        seen = []
+
+        def loss(out, mb):  # a loss whose gradient is not zero anywhere
+            seen.append(1)
+            return LossOutput(loss_sum=(out.logprobs * mb["loss_mask"]).sum())
+
+        packed = pack_samples([Sample(list(range(1, 33)), [0] * 16 + [1] * 16, [0.0] * 32, 0.0)], 32)
+        trainer.warm_up(micro_batches(packed.arrays, 1, trainer.device), loss)
+        assert seen == [1]
+        assert all(p.grad is None for p in trainer.policy.parameters())
+        assert not trainer.optimizer.state  # no step taken, no state made
+        assert all(torch.equal(p, before[n]) for n, p in trainer.policy.named_parameters())
+    finally:
+        trainer.close()
+
+
 def test_resume_after_kill_repeats_the_same_steps(tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     write_fixed_batches(straight, range(4))

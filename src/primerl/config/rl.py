@@ -306,6 +306,8 @@ class RLConfig(ProcessConfig):
                 inference["threads"] = engine_threads
             if trainer["train"]["threads"] is None:
                 trainer["train"]["threads"] = trainer_threads
+            if "warm_up_tokens" not in self.trainer.train.model_fields_set:
+                trainer["train"]["warm_up_tokens"] = self.seq_len
         self._share_weight_transfer(inference, trainer, broadcast_port)
         token = FILE_LAYER.set({})  # the rl config's own files are being read now; they are not these processes'
         try:

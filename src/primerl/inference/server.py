@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from primerl.config import config_from_argv
 from primerl.config.inference import InferenceConfig
+from primerl.cpu import keep_freed_memory
 from primerl.inference.chat import CompletionText, cut_at_stop, render_chat, split_tool_calls
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
 from primerl.inference.protocol import (
@@ -777,7 +778,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from primerl.inference.engines.vllm import EngineUnavailable
     from primerl.models import ModelError
+    from primerl.trainer.dist import wants_cuda
 
+    if cfg.engine == "hf" and not wants_cuda(cfg.device):
+        # every new policy version re-packs the weights for oneDNN into fresh blocks: reuse the freed ones instead of
+        # faulting in new pages each time (benchmarks/NOTES.md, "the server's weight intake")
+        keep_freed_memory()
     try:
         engine = build_engine(cfg)
     except (EngineUnavailable, ModelError) as e:

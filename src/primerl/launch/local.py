@@ -15,7 +15,6 @@ a grace period, then SIGKILL; exit 130).
 
 from __future__ import annotations
 
-import http.client
 import json
 import os
 import secrets
@@ -255,31 +254,14 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
             extra[ADMIN_TOKEN_VAR] = token
         return child_environment(extra)
 
-    # On the CPU the three processes share its cores: the trainer (idle until the first batch, its load off the path to
-    # it) starts once the server serves, so the server's and the orchestrator's start-up get the cores meanwhile.
-    on_cpu = not devices.inference and not devices.trainer
     return [
         ManagedProcess("inference", primerl_command("inference", "@", str(config_dir / "inference.toml")),
                        logs / "inference.log", env(devices.inference, with_token=True)),
         ManagedProcess("orchestrator", primerl_command("orchestrator", "@", str(config_dir / "orchestrator.toml")),
                        logs / "orchestrator.log", env([], with_token=True)),
         ManagedProcess("trainer", trainer_command(config_dir / "trainer.toml", devices.trainer_ranks),
-                       logs / "trainer.log", env(devices.trainer, with_token=False),
-                       start_when=(lambda: server_serving(url_host.strip("[]"), port)) if on_cpu else None),
+                       logs / "trainer.log", env(devices.trainer, with_token=False)),
     ]
-
-
-def server_serving(host: str, port: int, timeout_s: float = 0.2) -> bool:
-    """Whether the inference server at host:port answers `GET /health` with 200 (a server still loading its model
-    does not answer yet: the short timeout keeps the caller's watch loop going)."""
-    connection = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        connection.request("GET", "/health")
-        return connection.getresponse().status == 200
-    except OSError:
-        return False
-    finally:
-        connection.close()
 
 
 def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
@@ -319,8 +301,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     try:
         for p in processes:
-            if p.start_when is None:
-                p.start()
+            p.start()
         return _supervise(processes, console, cfg, stream, started)
     except (KeyboardInterrupt, Terminated):
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
@@ -342,8 +323,6 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
     while True:
         console.poll()
         for p in processes:
-            if p.popen is None and p.start_when is not None and p.start_when():
-                p.start()
             code = p.poll()
             if code is None or (code == 0 and p.name in finishers):
                 continue

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,7 +41,11 @@ def _already_stopping(signum, frame) -> None:
     print("stopping already; SIGKILL ends it at once", file=sys.stderr, flush=True)
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _child_setup() -> None:  # runs in the child between fork and exec
+    # A launcher started in the background of a script (`rl ... &`) inherits SIGINT ignored, and so would its children:
+    # they get the default back, since `stop_all` stops them with SIGINT first (they are in a session of their own, so
+    # a terminal's Ctrl-C still reaches them only through the launcher).
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
@@ -108,15 +112,13 @@ def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars:
 
 @dataclass
 class ManagedProcess:
-    """One named child process with its log file. With `start_when`, a launcher starts it only once that returns True
-    (until then it counts as running, and `stop_all` passes it by)."""
+    """One named child process with its log file."""
 
     name: str
     argv: Sequence[str]
     log_path: Path
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
-    start_when: Callable[[], bool] | None = field(default=None, repr=False)
     popen: subprocess.Popen | None = field(default=None, repr=False)
 
     def start(self) -> None:
@@ -132,7 +134,7 @@ class ManagedProcess:
                 env=dict(self.env) if self.env is not None else None,
                 cwd=self.cwd,
                 start_new_session=True,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - launchers start children from one thread
+                preexec_fn=_child_setup,  # noqa: PLW1509 - launchers start children from one thread
             )
 
     @property

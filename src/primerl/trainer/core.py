@@ -237,6 +237,14 @@ class Trainer:
             return out
         return PolicyOutput(logprobs=F.pad(out.logprobs, (0, width - used)), entropy=F.pad(out.entropy, (0, width - used)))
 
+    def warm_up(self, batch: list[MicroBatch], loss: StepLoss) -> None:
+        """Forward and backward over `batch`, then drop the gradients: the weights and the optimizer are untouched.
+        On the CPU the first step's one-time work (mapping fresh memory for the activations and gradients, which a
+        virtual machine can make slow, and setting up the kernels) is then done before the first batch comes."""
+        for mb in batch:
+            loss(self.forward(mb, 1.0), mb).loss_sum.backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def step(self, batch: list[MicroBatch], loss: StepLoss, temperature: float = 1.0) -> dict[str, Any]:
         """One optimizer step over this rank's micro-batches; returns the step's metrics (same on every rank)."""
         start = time.perf_counter()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -47,6 +48,17 @@ def fake_rows(cfg: RolloutDataConfig, vocab_size: int, step: int, seed: int, wor
     return split_rows(packed.arrays, world_size)[rank]
 
 
+def warm_up(trainer: Trainer, step_loss: StepLoss, tokens: int, micro_batch_rows: int | None) -> None:
+    """`Trainer.warm_up` on one dummy sample of `tokens` tokens (half of it completion, advantage 0), logged."""
+    started = time.perf_counter()
+    ids = [0] * tokens
+    mask = [0] * (tokens // 2) + [1] * (tokens - tokens // 2)
+    packed = pack_samples([Sample(ids, mask, [0.0] * tokens, 0.0)], tokens)
+    trainer.warm_up(micro_batches(packed.arrays, micro_batch_rows, trainer.device), step_loss)
+    log.info("warmed up on a dummy row of %d tokens in %.1fs (before the first batch)", tokens,
+             time.perf_counter() - started)
+
+
 def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput]) -> StepLoss:
     """Adapt an RL loss (primerl.trainer.loss contract) to the trainer's (forward output, micro-batch) call."""
 
@@ -71,6 +83,8 @@ def train(cfg: TrainerConfig) -> None:
     try:
         step, _ = trainer.resume()
         allocate_state(trainer.optimizer)  # a fresh run's optimizer state, before the wait for the first batch
+        if cfg.train.warm_up_tokens and not cfg.data.fake and trainer.device.type == "cpu":
+            warm_up(trainer, step_loss, cfg.train.warm_up_tokens, cfg.train.micro_batch_rows)
         while cfg.train.max_steps is None or step < cfg.train.max_steps:
             if cfg.data.fake:
                 vocab = trainer.policy.causal_lm.config.vocab_size

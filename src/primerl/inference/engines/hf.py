@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from primerl.cpu import keeps_freed_memory
 from primerl.inference.engines.base import Engine, Event, Finish, FinishReason, SamplingParams, TokenEvent
 from primerl.inference.engines.decoders import Decoder, ReferenceDecoder
 from primerl.inference.engines.sampling import SamplingBatch, sample
@@ -166,6 +167,18 @@ class HFEngine(Engine):
                             "skips the attempt)", type(error).__name__, (str(error).splitlines() or [""])[0][:300])
                 self.compile = False
                 self.decoder = self._build_decoder()
+        if self.device.type == "cpu" and keeps_freed_memory():
+            self._prefault_weight_intake()
+
+    @torch.no_grad()
+    def _prefault_weight_intake(self) -> None:
+        """Do the first weight update's one-time memory work at load, where nothing waits for it: write every
+        parameter once (loaded weights can be copy-on-write pages of the model file, which the first in-place copy
+        otherwise faults in one by one) and pack the weights a second time, freeing the first packing into this
+        process's heap for the first new version's re-pack (benchmarks/NOTES.md, "the server's weight intake")."""
+        for param in self.model.parameters():
+            param.mul_(1.0)
+        self.decoder.weights_changed()
 
     def _build_decoder(self) -> Decoder:
         if self.decoder_kind == "reference":
