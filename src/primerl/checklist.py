@@ -339,6 +339,9 @@ def check_rl_smoke(ctx: Context) -> str:
     ctx.require_runnable_here()
     run_dir = (ctx.work_dir / "rl_smoke").resolve()
     cfg = validate_stage(ctx.recipe, "rl", run_dir=run_dir, smoke=True)
+    if cfg.trainer.train.warm_up_tokens is None:  # a run of one step gains nothing from warming up before it
+        train = cfg.trainer.train.model_copy(update={"warm_up_tokens": 0})
+        cfg = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"train": train})})
     config_file = ctx.log_dir / "rl_smoke.toml"
     config_file.write_text(to_toml(cfg))
     _run_command(ctx, "rl_smoke", ["rl", "@", str(config_file)])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from primerl.config import load
+from primerl.config import load, to_toml
 from primerl.config.inference import InferenceConfig
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.rl import RLConfig
@@ -202,6 +202,13 @@ def test_on_the_cpu_the_trainer_warms_up_on_a_row_of_seq_len_before_its_first_ba
     assert trainer_config(tmp_path / "set").train.warm_up_tokens == 0  # the user's setting stands
     plan(tmp_path / "gpus", 2, "--seq_len=320")
     assert trainer_config(tmp_path / "gpus").train.warm_up_tokens == 0
+    # a recipe's stage reaches `rl` as a config file written by to_toml: the unset value must stay unset there
+    written, _ = load(RLConfig, ["--model.name=tiny", "--seq_len=320", f"--output_dir={tmp_path / 'file' / 'run'}"])
+    (tmp_path / "file").mkdir()
+    (tmp_path / "file" / "rl.toml").write_text(to_toml(written))
+    cfg, _ = load(RLConfig, ["@", str(tmp_path / "file" / "rl.toml")])
+    build_processes(cfg, tmp_path / "file" / "run", cfg.assign_devices(0), [])
+    assert trainer_config(tmp_path / "file").train.warm_up_tokens == 320
 
 
 def test_gpus_are_named_as_in_the_launchers_cuda_visible_devices(tmp_path):

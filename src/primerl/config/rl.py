@@ -306,8 +306,8 @@ class RLConfig(ProcessConfig):
                 inference["threads"] = engine_threads
             if trainer["train"]["threads"] is None:
                 trainer["train"]["threads"] = trainer_threads
-            if "warm_up_tokens" not in self.trainer.train.model_fields_set:
-                trainer["train"]["warm_up_tokens"] = self.seq_len
+        if trainer["train"]["warm_up_tokens"] is None:  # the CPU trainer waits for its first batch: warm up meanwhile
+            trainer["train"]["warm_up_tokens"] = self.seq_len if not devices.inference and not devices.trainer else 0
         self._share_weight_transfer(inference, trainer, broadcast_port)
         token = FILE_LAYER.set({})  # the rl config's own files are being read now; they are not these processes'
         try:

@@ -41,10 +41,10 @@ class TrainingConfig(Section):
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )
     seed: int = Field(0, description="seed for initialisation of new parameters (LoRA) and fake data")
-    warm_up_tokens: int = Field(
-        0, ge=0, description="RL on the CPU: before its first batch, one forward and backward over a dummy row of "
+    warm_up_tokens: int | None = Field(
+        None, ge=0, description="RL on the CPU: before its first batch, one forward and backward over a dummy row of "
         "this many tokens whose gradients are dropped, so that the first step finds its memory already mapped "
-        "(0: none; `rl` sets seq_len on CPU-only runs)",
+        "(0 or None: none; `rl` makes None seq_len on CPU-only runs, 0 elsewhere)",
     )
     peak_flops: float | None = Field(
         None, gt=0, description="peak FLOP/s of one device for MFU; None = known table by device name (bf16 dense)"
