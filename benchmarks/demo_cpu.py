@@ -45,7 +45,7 @@ def plot_rewards(path: Path, rewards: list[float]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(len(rewards)), rewards, marker="o")
+    ax.plot(range(1, len(rewards) + 1), rewards, marker="o")  # steps numbered from 1, as the console and metrics.jsonl
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward of the step's rollouts")
     ax.set_title("rl recipes/reverse-text.toml on 2 CPU cores")
