@@ -25,9 +25,9 @@ def keep_freed_memory() -> bool:
     to the system: no block gets a mapping of its own (glibc maps every block above 32 MB afresh, e.g. a trainer's
     [tokens, vocabulary] logits and its [vocabulary, hidden] gradients, and unmaps it when freed), the heap is not
     trimmed below 2 GiB of free space, and every thread allocates from the one heap (with a heap per thread, blocks
-    freed by one thread, e.g. a server's loader, are of no use to another, e.g. its engine's). A CPU trainer step otherwise touches fresh pages for all of those every step:
-    on a shared 2-core machine a third of its time went to page faults (benchmarks/NOTES.md). Memory stays at the
-    process's peak. Returns whether it applied (glibc only)."""
+    freed by one thread, e.g. a server's loader, are of no use to another, e.g. its engine's). A CPU trainer step
+    otherwise touches fresh pages for all of those every step: on a shared 2-core machine a third of its time went to
+    page faults (benchmarks/NOTES.md). Memory stays at the process's peak. Returns whether it applied (glibc only)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     try:

@@ -782,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if cfg.engine == "hf" and not wants_cuda(cfg.device):
         # every new policy version re-packs the weights for oneDNN into fresh blocks: reuse the freed ones instead of
-        # faulting in new pages each time (benchmarks/NOTES.md, "the server's weight intake")
+        # faulting in new pages each time (benchmarks/NOTES.md, "Where the first 30 s of a CPU run go")
         keep_freed_memory()
     try:
         engine = build_engine(cfg)

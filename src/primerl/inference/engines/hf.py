@@ -175,7 +175,8 @@ class HFEngine(Engine):
         """Do the first weight update's one-time memory work at load, where nothing waits for it: write every
         parameter once (loaded weights can be copy-on-write pages of the model file, which the first in-place copy
         otherwise faults in one by one) and pack the weights a second time, freeing the first packing into this
-        process's heap for the first new version's re-pack (benchmarks/NOTES.md, "the server's weight intake")."""
+        process's heap for the first new version's re-pack (benchmarks/NOTES.md, "Where the first 30 s of a CPU run
+        go")."""
         for param in self.model.parameters():
             param.mul_(1.0)
         self.decoder.weights_changed()
