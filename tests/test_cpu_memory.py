@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-CHILD = """
+# both children: keep freed memory or not (argv[1]), then glibc's own malloc and free through ctypes
+PREAMBLE = """
 import ctypes, resource, sys
 from primerl.cpu import keep_freed_memory
 applied = keep_freed_memory() if sys.argv[1] == "keep" else False
@@ -15,6 +16,9 @@ libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+"""
+
+CHILD = PREAMBLE + """
 def faults_of_one_block():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     block = libc.malloc(64 * 2**20)  # above glibc's largest mmap threshold: a mapping of its own by default
@@ -26,14 +30,8 @@ print(applied, max(faults_of_one_block() for _ in range(3)))
 """
 
 
-ACROSS_THREADS = """
-import ctypes, resource, sys, threading
-from primerl.cpu import keep_freed_memory
-applied = keep_freed_memory() if sys.argv[1] == "keep" else False
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.malloc.argtypes = [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
+ACROSS_THREADS = PREAMBLE + """
+import threading
 SIZE = 16 * 2**20  # below glibc's mmap threshold once it has grown: a thread's own heap holds it by default
 freed, done = threading.Event(), threading.Event()
 faults = []
@@ -58,13 +56,17 @@ print(applied, faults[0])
 """
 
 
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's mallopt")
+
+
 def run(script: str, mode: str) -> tuple[bool, int]:
     out = subprocess.run([sys.executable, "-c", script, mode], capture_output=True, text=True, check=True)
     applied, faults = out.stdout.split()
     return applied == "True", int(faults)
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+@glibc_only
 def test_freed_blocks_are_reused_without_page_faults():
     applied, kept_faults = run(CHILD, "keep")
     _, default_faults = run(CHILD, "default")
@@ -73,7 +75,7 @@ def test_freed_blocks_are_reused_without_page_faults():
     assert kept_faults < 1_000
 
 
-@pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+@glibc_only
 def test_a_block_freed_by_one_thread_is_reused_by_another():
     applied, kept_faults = run(ACROSS_THREADS, "keep")
     _, default_faults = run(ACROSS_THREADS, "default")

@@ -776,19 +776,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvicorn
 
+    from primerl.inference.engines.hf import HFEngine
     from primerl.inference.engines.vllm import EngineUnavailable
     from primerl.models import ModelError
-    from primerl.trainer.dist import wants_cuda
 
-    if cfg.engine == "hf" and not wants_cuda(cfg.device):
-        # every new policy version re-packs the weights for oneDNN into fresh blocks: reuse the freed ones instead of
-        # faulting in new pages each time (benchmarks/NOTES.md, "Where the first 30 s of a CPU run go")
-        keep_freed_memory()
     try:
         engine = build_engine(cfg)
     except (EngineUnavailable, ModelError) as e:
         print(f"primerl inference: {e}", file=sys.stderr)
         return 2
+    if isinstance(engine, HFEngine) and engine.device.type == "cpu":  # before it loads the model (at start):
+        # every new policy version re-packs the weights for oneDNN into fresh blocks: reuse the freed ones instead of
+        # faulting in new pages each time (benchmarks/NOTES.md, "Where the first 30 s of a CPU run go")
+        keep_freed_memory()
     try:
         sock = _listen(cfg.host, cfg.port)
     except OSError as e:

@@ -30,9 +30,8 @@ class DistInfo:
 
 
 def wants_cuda(device_choice: str) -> bool:
-    """Whether a device setting (`auto`, `cpu`, `cuda`, `cuda:N`: the trainer's `train.device`, the hf engine's
-    `device`) puts the process on CUDA: `auto` does where a device is visible."""
-    return device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
+    """Whether `train.device` (`auto`, `cpu`, `cuda`) puts the trainer on CUDA: `auto` does where a device is visible."""
+    return device_choice == "cuda" or (device_choice == "auto" and torch.cuda.is_available())
 
 
 def setup(device_choice: str) -> tuple[DistInfo, torch.device]:
