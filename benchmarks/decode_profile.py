@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import ARCHITECTURES, DECODE_VARIANTS, apply_decode_variant, random_init_dir
 from report import emit
 
+from primerl.inference.engines import llama
 from primerl.inference.engines.llama import LlamaDecoder
 
 
@@ -46,21 +47,53 @@ def measure(model, rows: int, compile: bool, steps: int) -> dict:
     for e in kernels:
         top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
     decoder.decode(tokens, positions)  # captures the graph of this shape
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph = decoder.graphs[(decoder._load_static_inputs(tokens, positions), span)]
+    replay_us = replay_time_us(graph, steps)
+    # the engine's graph: the same step with sampling over the vocabulary, the token fed back
+    decoder.static_temperature[:rows].fill_(0.8)
+    decoder.static_uniform[:rows].fill_(0.5)
+    sampling_graph = decoder._capture(rows, span, sampling=True)
+    sampling_replay_us = replay_time_us(sampling_graph, steps, before=lambda: decoder._load_static_inputs(tokens, positions))
+    # the sampling alone, kernel by kernel, on this step's logits
+    logits = decoder._decode_forward(*static, span)
+    temperature = torch.full((rows,), 0.8, device=logits.device)
+    uniform = torch.rand(rows, dtype=torch.float64, device=logits.device)
+    llama.sample_unfiltered(logits, temperature, uniform)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llama.sample_unfiltered(logits, temperature, uniform)
+        torch.cuda.synchronize()
+    sampling_kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    sampling_top: dict[str, float] = {}
+    for e in sampling_kernels:
+        sampling_top[e.name] = sampling_top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    return {
+        "kernels_per_step": len(kernels) / steps,
+        "kernel_time_us_per_step": round(device_us, 1),
+        "graph_replay_us_per_step": round(replay_us, 1),
+        "tokens_per_s_graph": round(rows / (replay_us / 1e6), 1),
+        "sampling_graph_replay_us_per_step": round(sampling_replay_us, 1),
+        "sampling_kernels_per_step": len(sampling_kernels) / steps,
+        "sampling_kernel_time_us_per_step": round(sum(sampling_top.values()), 1),
+        "setup_s": round(setup_s, 1),
+        "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
+        "top_sampling_kernels_us": {k: round(v, 1) for k, v in sorted(sampling_top.items(), key=lambda kv: -kv[1])[:8]},
+    }
+
+
+def replay_time_us(graph: torch.cuda.CUDAGraph, steps: int, before=None) -> float:
+    """Device time per replay of `graph`, `steps` replays in a row (`before` runs first, outside the timing)."""
+    if before is not None:
+        before()
+    graph.replay()  # warm
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(steps):
         graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return {
-        "kernels_per_step": len(kernels) / steps,
-        "kernel_time_us_per_step": round(device_us, 1),
-        "graph_replay_us_per_step": round(start.elapsed_time(end) * 1000 / steps, 1),
-        "tokens_per_s_graph": round(rows / (start.elapsed_time(end) / 1000 / steps), 1),
-        "setup_s": round(setup_s, 1),
-        "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
-    }
+    return start.elapsed_time(end) * 1000 / steps
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,20 +153,60 @@ def generate_batch_run(model, prompts: list[list[int]], new_tokens: int) -> floa
     return time.perf_counter() - start
 
 
+async def device_busy(run) -> dict:
+    """One more engine run under the CUDA profiler: the device's kernel time against the run's wall time, and the
+    idle gaps between kernels (the host's share of a step: scheduling, sampling's inputs, the copies back)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
+        await run("busy")
+        torch.cuda.synchronize()
+        wall_s = time.perf_counter() - started
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy_us, gaps, reach = 0.0, [], None
+    for start, end in spans:  # union of kernel intervals; gaps between them
+        if reach is None or start > reach:
+            if reach is not None:
+                gaps.append(start - reach)
+            busy_us += end - start
+            reach = end
+        elif end > reach:
+            busy_us += end - reach
+            reach = end
+    window_us = (reach - spans[0][0]) if spans else 0.0
+    long_gaps = [g for g in gaps if g >= 50]
+    return {
+        "wall_s": round(wall_s, 3),
+        "kernels": len(spans),
+        "kernel_busy_s": round(busy_us / 1e6, 3),
+        "first_to_last_kernel_s": round(window_us / 1e6, 3),
+        "gaps_over_50us": len(long_gaps),
+        "gaps_over_50us_s": round(sum(long_gaps) / 1e6, 3),
+        "largest_gaps_us": [round(g) for g in sorted(gaps, reverse=True)[:10]],
+    }
+
+
 def _commit() -> str | None:
     result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
                             cwd=Path(__file__).resolve().parent)
     return result.stdout.strip() or None
 
 
-DECODE_VARIANTS = ("default", "autotune", "grouped")
+DECODE_VARIANTS = ("default", "autotune", "grouped", "one-level-cdf", "compiled-sampler")
 
 
 def apply_decode_variant(name: str) -> None:
     """Experiments on the compiled decode layer, for the profile (benchmarks/NOTES.md, section 9): `autotune`
     compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues; no cudagraphs, the engine
     captures its own); `grouped` computes decode attention on CUDA with the grouped products the CPU uses (two batched
-    products and a softmax) instead of SDPA."""
+    products and a softmax) instead of SDPA; `one-level-cdf` samples with the sampler the engine had before section
+    11: log-softmax written out, then one cumulative sum along each whole row of the vocabulary; `compiled-sampler`
+    compiles the sampler as well (one program per row bucket)."""
     from primerl.inference.engines import llama
 
     if name == "autotune":
@@ -178,8 +218,24 @@ def apply_decode_variant(name: str) -> None:
         torch.compile = compile_autotuned  # for this process: the decode layer is all it compiles
     elif name == "grouped":
         llama._sdpa_decode_attention = llama._decode_attention
+    elif name == "one-level-cdf":
+        llama.sample_unfiltered = sample_one_level
+    elif name == "compiled-sampler":
+        llama.sample_unfiltered = torch.compile(llama.sample_unfiltered, dynamic=False)
     elif name != "default":
         raise ValueError(f"unknown decode variant {name!r}; one of {', '.join(DECODE_VARIANTS)}")
+
+
+def sample_one_level(logits: torch.Tensor, temperature: torch.Tensor, uniform: torch.Tensor):
+    """The engine's sampler before section 11 of benchmarks/NOTES.md, kept as that experiment's baseline."""
+    logits = logits.float()
+    greedy = temperature == 0
+    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
+    cdf = logprobs.exp().cumsum(dim=-1)
+    target = (uniform * cdf[:, -1].double()).float()[:, None]
+    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logprobs.shape[-1] - 1)
+    tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
+    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -238,6 +294,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
                 if round_:
                     runs[name].append(total / seconds)
                 print(f"round {round_} {name}: {total / seconds:.1f} tok/s", file=sys.stderr)
+        busy = await device_busy(engine_side(args.decode_steps[0])) if args.device_busy else None
         await engine.stop()
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -263,6 +320,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         torch=torch.__version__,
         threads=torch.get_num_threads(),
     )
+    if busy is not None:
+        result["device_busy"] = busy
     if device.type == "cuda":
         bandwidth = copy_bandwidth(device)
         result["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
@@ -301,6 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--generate-batch", action="store_true", help="also time transformers' generate_batch")
     parser.add_argument("--decode-steps", type=lambda v: [int(x) for x in v.split(",")], default=[DEFAULT_DECODE_STEPS],
                         help="the engine's decode_steps; a comma list times each (e.g. 1,8,16)")
+    parser.add_argument("--device-busy", action="store_true",
+                        help="one more engine run under the CUDA profiler: kernel time against wall time, idle gaps")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args(argv)
     apply_decode_variant(args.decode_variant)

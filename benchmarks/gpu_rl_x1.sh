@@ -96,15 +96,20 @@ check)
     p1_round p1_round0
     ;;
 p3)  # the compiled decode step against the eager one and the experiments of P3_VARIANTS (default: grouped):
-    # kernels per step; then P3 through the engine, compiled, at P3_DECODE_STEPS (default 8,32) decode steps per call;
+    # kernels per step; then P3 through the engine, compiled, at P3_DECODE_STEPS (default 8,32) decode steps per call,
+    # also with each experiment of P3_ENGINE_VARIANTS (default none), P3_DEVICE_BUSY=1 adding the device's idle gaps;
     # for each of P3_ARCHS (default both)
     for arch in ${P3_ARCHS:-smollm2-135m qwen3-0.6b}; do
         for variant in default ${P3_VARIANTS-grouped}; do
             TORCH_LOGS=recompiles run "profile_${arch}_$variant" 150 python3 benchmarks/decode_profile.py \
                 --arch "$arch" --variant "$variant" --out "$out/decode_profile_${arch}_$variant.json"
         done
-        TORCH_LOGS=recompiles run "p3_${arch}" 150 python3 benchmarks/engine.py --random-init --arch "$arch" \
-            --repeats 2 --decode-steps "${P3_DECODE_STEPS:-8,32}" --compile --out "$out/p3_${arch}.json"
+        for variant in default ${P3_ENGINE_VARIANTS-}; do  # the engine itself, with the experiments named there
+            suffix=${variant/#default/}
+            TORCH_LOGS=recompiles run "p3_${arch}${suffix:+_$suffix}" 150 python3 benchmarks/engine.py --random-init \
+                --arch "$arch" --repeats 2 --decode-steps "${P3_DECODE_STEPS:-8,32}" --compile --decode-variant "$variant" \
+                ${P3_DEVICE_BUSY:+--device-busy} --out "$out/p3_${arch}${suffix:+_$suffix}.json"
+        done
     done
     ;;
 handoff)

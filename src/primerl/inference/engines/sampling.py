@@ -17,13 +17,12 @@ from primerl.inference.engines.base import SamplingParams
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling inputs, one entry per row, as device tensors, plus two host-side flags."""
+    """Per-row sampling inputs, one entry per row, as device tensors, plus a host-side flag."""
 
     temperature: torch.Tensor  # float32 [n]; 0 = greedy
     top_p: torch.Tensor  # float32 [n]; 1 = off
     top_k: torch.Tensor  # int64 [n]; vocabulary size = off
     uniform: torch.Tensor  # float64 [n] in (0, 1]
-    any_greedy: bool
     needs_filter: bool  # any row with top_p < 1 or top_k < vocabulary size
 
     @classmethod
@@ -39,30 +38,23 @@ class SamplingBatch:
             top_p=rows[1].float(),
             top_k=rows[2].long(),
             uniform=rows[3],
-            any_greedy=any(p.temperature == 0 for p in params),
             needs_filter=any(p.top_p < 1 for p in params) or any(k < vocab for k in top_ks),
         )
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of `logits` [n, V]. Returns (token ids int64 [n], logprobs float32 [n])."""
+    tokens, token_logprobs = sample_unfiltered(logits, batch.temperature, batch.uniform)
     if not batch.needs_filter:
-        return sample_unfiltered(logits, batch.temperature, batch.uniform)
-    logits = logits.float()
+        return tokens, token_logprobs
+    # rows that filter (and are not greedy) take the filtered sample; the others keep theirs, the same token they
+    # would get in a batch where no row filters
     greedy = batch.temperature == 0
     temperature = torch.where(greedy, torch.ones_like(batch.temperature), batch.temperature)
-    logprobs = torch.log_softmax(logits / temperature[:, None], dim=-1)
-    tokens, token_logprobs = _inverse_cdf(logprobs, batch.uniform)
-    # rows that filter take the filtered sample; the others keep theirs
-    filtered = (batch.top_p < 1) | (batch.top_k < logits.shape[-1])
+    logprobs = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)
+    filtered = ((batch.top_p < 1) | (batch.top_k < logits.shape[-1])) & ~greedy
     filtered_tokens, filtered_logprobs = _sample_filtered(logprobs, batch)
-    tokens = torch.where(filtered, filtered_tokens, tokens)
-    token_logprobs = torch.where(filtered, filtered_logprobs, token_logprobs)
-    if batch.any_greedy:
-        argmax = logits.argmax(dim=-1)
-        tokens = torch.where(greedy, argmax, tokens)
-        token_logprobs = torch.where(greedy, logprobs.gather(1, argmax[:, None]).squeeze(1), token_logprobs)
-    return tokens, token_logprobs
+    return torch.where(filtered, filtered_tokens, tokens), torch.where(filtered, filtered_logprobs, token_logprobs)
 
 
 def sample_unfiltered(
@@ -70,20 +62,38 @@ def sample_unfiltered(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole-vocabulary case (top_p = 1, no top_k) with a fixed sequence of kernels and no host-side branch, so
     it can be captured in a CUDA graph together with the decode step: temperature 0 rows take the argmax (logprob
-    under the untempered distribution), the others sample by inverse CDF from `uniform`."""
-    logits = logits.float()
+    under the untempered distribution), the others sample by inverse CDF from `uniform`.
+
+    The inverse CDF is found in two levels, which gives the token the one-level search over the whole row's
+    cumulative sum would (up to float rounding at the boundaries between tokens) in a few passes over the logits:
+    the row's unnormalised probabilities are summed per block of `_BLOCK` tokens, the block holding the target is
+    found from the blocks' cumulative sums, then the token inside that block. A cumulative sum along a whole row of
+    a large vocabulary is one long sequential scan per row, the slowest kernel of a decode step's sampling on a GPU
+    (benchmarks/NOTES.md, P3 section 11); the row's log-softmax is never written out either, only its normaliser."""
+    rows, vocab = logits.shape
     greedy = temperature == 0
-    logprobs = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
-    tokens, _ = _inverse_cdf(logprobs, uniform)
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    peak = scaled.amax(dim=-1, keepdim=True)
+    blocks = -(-vocab // _BLOCK)
+    weights = scaled.new_zeros(rows, blocks * _BLOCK)  # exp(scaled - peak), zero past the vocabulary
+    torch.exp(scaled - peak, out=weights[:, :vocab])
+    weights = weights.view(rows, blocks, _BLOCK)
+    block_cdf = weights.sum(dim=-1).cumsum(dim=-1)  # [rows, blocks]
+    total = block_cdf[:, -1:]
+    target = (uniform[:, None] * total.double()).float()  # in (0, total]
+    block = torch.searchsorted(block_cdf, target).clamp_(max=blocks - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_(min=0)), 0.0)
+    inside = weights.gather(1, block[:, :, None].expand(rows, 1, _BLOCK)).squeeze(1)  # [rows, _BLOCK]
+    offset = torch.searchsorted(inside.cumsum(dim=-1) + before, target)
+    # rounding can put the target past the block's last token by a hair: take the block's last token that can occur
+    last = torch.where(inside > 0, torch.arange(_BLOCK, device=inside.device), 0).amax(dim=-1, keepdim=True)
+    tokens = (block * _BLOCK + torch.minimum(offset, last)).squeeze(1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), tokens)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    token_logprobs = scaled.gather(1, tokens[:, None]).squeeze(1) - peak.squeeze(1) - total.squeeze(1).log()
+    return tokens, token_logprobs
 
 
-def _inverse_cdf(logprobs: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    cdf = logprobs.exp().cumsum(dim=-1)
-    target = (uniform * cdf[:, -1].double()).float()[:, None]
-    tokens = torch.searchsorted(cdf, target).squeeze(1).clamp_(max=logprobs.shape[-1] - 1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+_BLOCK = 256  # tokens per block of the two-level inverse CDF
 
 
 def _sample_filtered(logprobs: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
