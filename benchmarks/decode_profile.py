@@ -21,7 +21,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine import ARCHITECTURES, DECODE_VARIANTS, apply_decode_variant, random_init_dir
 from report import emit
 
-from primerl.inference.engines import llama
 from primerl.inference.engines.llama import LlamaDecoder
 
 
@@ -58,11 +57,11 @@ def measure(model, rows: int, compile: bool, steps: int) -> dict:
     logits = decoder._decode_forward(*static, span)
     temperature = torch.full((rows,), 0.8, device=logits.device)
     uniform = torch.rand(rows, dtype=torch.float64, device=logits.device)
-    llama.sample_unfiltered(logits, temperature, uniform)
+    decoder._sample(logits, temperature, uniform)  # the engine's sampler (compiled with the layer)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
-            llama.sample_unfiltered(logits, temperature, uniform)
+            decoder._sample(logits, temperature, uniform)
         torch.cuda.synchronize()
     sampling_kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     sampling_top: dict[str, float] = {}

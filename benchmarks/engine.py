@@ -197,7 +197,7 @@ def _commit() -> str | None:
     return result.stdout.strip() or None
 
 
-DECODE_VARIANTS = ("default", "autotune", "grouped", "one-level-cdf", "compiled-sampler")
+DECODE_VARIANTS = ("default", "autotune", "grouped", "one-level-cdf", "no-overlap")
 
 
 def apply_decode_variant(name: str) -> None:
@@ -205,8 +205,9 @@ def apply_decode_variant(name: str) -> None:
     compiles it with inductor's max-autotune (Triton matmul templates with fused epilogues; no cudagraphs, the engine
     captures its own); `grouped` computes decode attention on CUDA with the grouped products the CPU uses (two batched
     products and a softmax) instead of SDPA; `one-level-cdf` samples with the sampler the engine had before section
-    11: log-softmax written out, then one cumulative sum along each whole row of the vocabulary; `compiled-sampler`
-    compiles the sampler as well (one program per row bucket)."""
+    11: log-softmax written out, then one cumulative sum along each whole row of the vocabulary (not compiled);
+    `no-overlap` has the engine read each chunk's tokens before it launches the next (`HFEngine(overlap=False)`,
+    read by `benchmark`)."""
     from primerl.inference.engines import llama
 
     if name == "autotune":
@@ -220,9 +221,8 @@ def apply_decode_variant(name: str) -> None:
         llama._sdpa_decode_attention = llama._decode_attention
     elif name == "one-level-cdf":
         llama.sample_unfiltered = sample_one_level
-    elif name == "compiled-sampler":
-        llama.sample_unfiltered = torch.compile(llama.sample_unfiltered, dynamic=False)
-    elif name != "default":
+        llama._compiled_sampler = lambda function: function
+    elif name not in ("default", "no-overlap"):
         raise ValueError(f"unknown decode variant {name!r}; one of {', '.join(DECODE_VARIANTS)}")
 
 
@@ -263,7 +263,7 @@ async def benchmark(args: argparse.Namespace) -> dict:
             model_dir, model_label = resolve_model(args.model), args.model
         engine = HFEngine(
             model_dir, device=str(device), dtype=args.dtype, max_batch_size=args.batch, cuda_graphs=args.cuda_graphs,
-            compile=args.compile,
+            compile=args.compile, overlap=False if args.decode_variant == "no-overlap" else None,
         )
         started = time.perf_counter()
         await engine.start()
@@ -313,6 +313,8 @@ async def benchmark(args: argparse.Namespace) -> dict:
         device=torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
         cuda_graphs=engine.cuda_graphs,
         compile=engine.compile,
+        overlap=engine.overlap,
+        chunks_ahead=engine.chunks_ahead,
         engine_start_s=round(start_s, 1),
         decode_steps=args.decode_steps,
         commit=os.environ.get("PRIMERL_COMMIT") or _commit(),

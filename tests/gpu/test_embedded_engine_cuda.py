@@ -19,3 +19,44 @@ def test_fast_decoder_self_check_on_cuda(compile: bool):
     from primerl.inference.engines.llama import self_check
 
     self_check("tiny", device="cuda", compile=compile)
+
+
+def test_chunks_launched_ahead_equal_one_step_at_a_time_on_cuda():
+    """The engine on CUDA, the decode layer and the sampler compiled, float32: chunks of 8 steps with the next chunk
+    launched before the host reads the last (`overlap`, the CUDA default) give seeded requests the tokens of one
+    step at a time (a row past the first attention span, rows finishing inside chunks) and their logprobs."""
+    import asyncio
+
+    from primerl.inference.engines.base import Finish, SamplingParams
+    from primerl.inference.engines.hf import HFEngine
+
+    prompts = [[1, 17, 45, 300, 12], [1, 99], [1, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [1, 512, 3]]
+    params = [
+        SamplingParams(max_tokens=140, temperature=1.0, seed=3, ignore_eos=True),
+        SamplingParams(max_tokens=5, temperature=0.7, seed=4, ignore_eos=True),
+        SamplingParams(max_tokens=30, temperature=1.3, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True),
+    ]
+
+    async def run(decode_steps: int, overlap: bool):
+        engine = HFEngine("tiny", device="cuda", dtype="float32", max_batch_size=8, compile=True,
+                          decode_steps=decode_steps, overlap=overlap)
+        await engine.start()
+        try:
+            async def one(i: int):
+                events = [e async for e in engine.generate(prompts[i], params[i], f"r{i}")]
+                assert isinstance(events[-1], Finish)
+                return [e.token_id for e in events[:-1]], [e.logprob for e in events[:-1]]
+
+            results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            return results, engine.chunks_ahead
+        finally:
+            await engine.stop()
+
+    one_step, _ = asyncio.run(run(1, False))
+    ahead, chunks_ahead = asyncio.run(run(8, True))
+    assert chunks_ahead > 0
+    for (tokens, logprobs), (tokens_ahead, logprobs_ahead) in zip(one_step, ahead, strict=True):
+        assert tokens_ahead == tokens
+        torch.testing.assert_close(torch.tensor(logprobs_ahead), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
+    assert [len(tokens) for tokens, _ in ahead] == [140, 5, 30, 9]

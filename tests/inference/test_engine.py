@@ -95,9 +95,11 @@ def test_a_server_that_keeps_freed_memory_packs_twice_at_load_and_serves_the_sam
     with_engine(tiny_model_dir, test, device="cpu")
 
 
-def test_request_joins_running_batch_mid_decode(tiny_model_dir, reference_model):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_request_joins_running_batch_mid_decode(tiny_model_dir, reference_model, overlap):
     """B arrives while A decodes (A is held by pause a few tokens in); B is admitted at the next step, long before
-    A ends, and both still produce exactly their solo greedy output."""
+    A ends, and both still produce exactly their solo greedy output (also with the next chunk launched before the
+    host reads the last)."""
     long_a = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
     arrivals: list[tuple[str, int]] = []
 
@@ -121,7 +123,7 @@ def test_request_joins_running_batch_mid_decode(tiny_model_dir, reference_model)
         assert tokens_b == reference_greedy(reference_model, PROMPTS[1], 24)
         assert arrivals.index(("b", 24)) < arrivals.index(("a", 199))
 
-    with_engine(tiny_model_dir, test)
+    with_engine(tiny_model_dir, test, overlap=overlap)
 
 
 def test_seeded_sampling_is_independent_of_the_batch(tiny_model_dir):
@@ -225,7 +227,8 @@ def perturbed_weights(model_dir: Path, out: Path, scale: float) -> Path:
     return out
 
 
-def test_update_weights_applies_between_steps(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_update_weights_applies_between_steps(tiny_model_dir, tmp_path, overlap):
     new_weights = perturbed_weights(tiny_model_dir, tmp_path / "step_3", scale=0.05)
     broken = tmp_path / "broken"
     broken.mkdir()
@@ -255,7 +258,7 @@ def test_update_weights_applies_between_steps(tiny_model_dir, tmp_path):
         assert engine.policy_version == 3 and finish_after.policy_versions == (3, 3)
         assert [e.token_id for e in after] != [e.token_id for e in before]
 
-    with_engine(tiny_model_dir, test)
+    with_engine(tiny_model_dir, test, overlap=overlap)
 
 
 def test_pause_holds_requests_until_resume(tiny_model_dir):
@@ -325,30 +328,45 @@ def test_fast_decoder_self_check(model_dir, request):
 def test_chunked_decode_equals_one_step_at_a_time(tiny_model_dir):
     """Several decode steps per host round trip (sampling on the device) produce exactly the tokens of one step at a
     time for seeded requests, finish where they would have (a stop token mid-chunk drops the tokens after it), and
-    the same logprobs."""
-    stop_token = 7
+    the same logprobs; so does `overlap`, where the next chunk is launched before the host reads the last one (a
+    row that finished in the chunk read drops its tokens of the chunk launched after it)."""
+    free = SamplingParams(max_tokens=30, temperature=1.3, seed=5, ignore_eos=True)
+
+    async def unstopped(engine: HFEngine) -> None:
+        events, _ = await complete(engine, PROMPTS[2], free, "free")
+        free_tokens.extend(e.token_id for e in events)
+
+    free_tokens: list[int] = []
+    with_engine(tiny_model_dir, unstopped, decode_steps=1)
+    # a stop token request 2 meets first inside a chunk of 8 (not at a chunk's last step), at least 2 tokens in
+    stop_at = next(i for i, t in enumerate(free_tokens) if i >= 2 and i % 8 != 7 and free_tokens.index(t) == i)
+    stop_token = free_tokens[stop_at]
     requests = [
-        (PROMPTS[0], SamplingParams(max_tokens=21, temperature=1.0, seed=3, ignore_eos=True)),
+        # 140 tokens: past the decoder's first attention span (128 positions) inside a chunk launched ahead
+        (PROMPTS[0], SamplingParams(max_tokens=140, temperature=1.0, seed=3, ignore_eos=True)),
         (PROMPTS[1], SamplingParams(max_tokens=5, temperature=0.7, seed=4, ignore_eos=True)),
-        (PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.3, seed=5, stop_token_ids=[stop_token])),
+        (PROMPTS[2], SamplingParams(max_tokens=30, temperature=1.3, seed=5, stop_token_ids=[stop_token], ignore_eos=True)),
         (PROMPTS[3], SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)),
     ]
     outputs = {}
-    for steps in (1, 8):
+    for steps, overlap in ((1, False), (8, False), (8, True), (3, True)):
 
-        async def test(engine: HFEngine, steps: int = steps) -> None:
+        async def test(engine: HFEngine, key=(steps, overlap)) -> None:
             results = await asyncio.gather(
                 *(complete(engine, prompt, params, f"r{i}") for i, (prompt, params) in enumerate(requests))
             )
-            outputs[steps] = [
+            outputs[key] = [
                 ([e.token_id for e in events], [e.logprob for e in events], finish.reason) for events, finish in results
             ]
+            assert (engine.chunks_ahead > 0) == key[1]
 
-        with_engine(tiny_model_dir, test, decode_steps=steps)
-    for one, chunked in zip(outputs[1], outputs[8], strict=True):
-        assert chunked[0] == one[0] and chunked[2] == one[2]
-        torch.testing.assert_close(torch.tensor(chunked[1]), torch.tensor(one[1]), atol=1e-5, rtol=1e-5)
-    assert [len(tokens) for tokens, _, _ in outputs[8]][:2] == [21, 5] and outputs[8][3][2] == "length"
+        with_engine(tiny_model_dir, test, decode_steps=steps, overlap=overlap)
+    for key in ((8, False), (8, True), (3, True)):
+        for one, chunked in zip(outputs[(1, False)], outputs[key], strict=True):
+            assert chunked[0] == one[0] and chunked[2] == one[2], key
+            torch.testing.assert_close(torch.tensor(chunked[1]), torch.tensor(one[1]), atol=1e-5, rtol=1e-5)
+    assert [len(tokens) for tokens, _, _ in outputs[(8, True)]][:2] == [140, 5] and outputs[(8, True)][3][2] == "length"
+    assert outputs[(1, False)][2][0] == free_tokens[: stop_at + 1] and outputs[(1, False)][2][2] == "stop"
 
 
 def test_fast_decoder_self_check_compiled(tiny_qwen3_dir, inductor_cpu):

@@ -39,12 +39,21 @@ class Decoder(ABC):
         """Do the one-time work of the first decode step (compiling it) now, before the engine serves."""
 
     def decode_many(
-        self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
+        self,
+        tokens: list[int] | None,
+        positions: list[int],
+        temperature: torch.Tensor | None,
+        uniforms: torch.Tensor,
+        follow: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """`len(uniforms)` decode steps in a row for rows 0..n-1 without returning to the host: each step samples
         every row's next token over the whole vocabulary (`sampling.sample_unfiltered`, row i's temperature and
-        `uniforms[step, i]`) and feeds it to the next step. Returns (tokens, logprobs), each [steps, n], or None
-        when the decoder cannot (the caller then decodes one step at a time)."""
+        `uniforms[step, i]`) and feeds it to the next step. Returns (tokens, logprobs), each [steps, n], on the
+        device, possibly still being computed, or None when the decoder cannot (the caller then decodes one step at
+        a time). `follow`: the rows are the previous call's, unmoved, and continue where it left them on the device
+        (its last sampled tokens, at its temperatures); `tokens` and `temperature` are then not read, and
+        `positions` are those the rows will have when the previous call is done, so the caller need not wait for
+        it."""
         return None
 
 

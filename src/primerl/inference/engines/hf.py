@@ -58,10 +58,22 @@ class _Request:
     stop_window: int  # trailing tokens to decode when looking for stop strings
     completion: list[int] = field(default_factory=list)
     versions: tuple[int, int] | None = None
+    done: bool = False  # finished: tokens of a chunk already in flight are dropped
 
     @property
     def length(self) -> int:
         return len(self.prompt) + len(self.completion)
+
+
+@dataclass
+class _Chunk:
+    """Decode steps launched for `requests` (rows 0..n-1 at launch) whose tokens the host has not yet read: `host`
+    [2, steps, n] (tokens and logprobs) is complete once `ready` has passed (None: already complete)."""
+
+    requests: list[_Request]
+    steps: int
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
 
 
 class HFEngine(Engine):
@@ -74,8 +86,12 @@ class HFEngine(Engine):
     `compile` (default: on for CUDA) compiles the fast decoder's decode layer at start.
     `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
     them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
-    their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `seed` seeds the
-    seeds drawn for requests that bring none (None: a fresh stream).
+    their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `overlap`
+    (default: on for CUDA) launches the next chunk for the same rows before the host reads the last one's tokens, so
+    the device decodes while the host records tokens, checks stops and schedules; when a row of the chunk read
+    has finished, the next one is read at once too and the rows are then retired, and the next launch waits for
+    it (rows change only between chunks). `seed` seeds the seeds drawn for requests that bring none (None: a fresh
+    stream).
     """
 
     def __init__(
@@ -92,6 +108,7 @@ class HFEngine(Engine):
         cuda_graphs: bool | None = None,
         compile: bool | None = None,
         decode_steps: int = 8,
+        overlap: bool | None = None,
         threads: int | None = None,
         seed: int | None = None,
     ):
@@ -113,6 +130,7 @@ class HFEngine(Engine):
         self.cuda_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.compile = self.device.type == "cuda" if compile is None else compile
         self.decode_steps = decode_steps
+        self.overlap = self.device.type == "cuda" if overlap is None else overlap
         self.policy_version = 0
         self._seeds = random.Random(seed)
         self._shared_reader: Any = None  # primerl.transport.shared.SharedReader, made at the first shared version
@@ -124,6 +142,8 @@ class HFEngine(Engine):
         # scheduler-thread state
         self._waiting: deque[_Request] = deque()
         self._rows: list[_Request] = []
+        self._ahead: _Chunk | None = None  # launched, not yet read (with `overlap`)
+        self.chunks_ahead = 0  # chunks launched while the one before was still in flight (with `overlap`)
         self._outbox: list[tuple[asyncio.Queue[Event], Event]] = []
         self._paused = False
         self._stopping = False
@@ -385,6 +405,7 @@ class HFEngine(Engine):
             self._error = error
             raise
         finally:
+            self._ahead = None
             for request in [*self._rows, *self._waiting]:
                 self._finish(request, "abort")
             self._rows.clear()
@@ -399,6 +420,8 @@ class HFEngine(Engine):
             except queue.Empty:
                 break
         for command, *args in messages:
+            if command != "submit":  # the rows or the weights change: read the chunk in flight first
+                self._catch_up()
             if command == "submit":
                 self._waiting.append(args[0])
             elif command == "abort":
@@ -451,6 +474,8 @@ class HFEngine(Engine):
 
     def _admit(self) -> None:
         """Prefill as many waiting requests as there are free rows (within the prefill token budget)."""
+        if self._waiting and self._ahead is not None and len(self._rows) < self.decoder.max_rows:
+            self._catch_up()
         admitted: list[_Request] = []
         budget = self.max_prefill_tokens
         while self._waiting and len(self._rows) + len(admitted) < self.decoder.max_rows:
@@ -467,48 +492,99 @@ class HFEngine(Engine):
         self._sample_rows(logits, first_row)
 
     def _decode_step(self) -> None:
-        tokens = [r.completion[-1] for r in self._rows]
-        positions = [r.length - 1 for r in self._rows]
+        if self._ahead is not None:
+            self._step_ahead()
+            return
         steps = self._chunk_steps()
         if steps > 1:
-            requests = list(self._rows)
-            uniforms = torch.tensor(
-                [[1.0 - r.rng.random() for r in requests] for _ in range(steps)], dtype=torch.float64
-            )
-            temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
-            sampled = self.decoder.decode_many(tokens, positions, temperature, uniforms)
-            if sampled is not None:
-                self._accept_chunk(requests, *sampled)
-                return
-            raise RuntimeError(f"{type(self.decoder).__name__} cannot decode several steps at once")
+            chunk = self._launch(steps, follow=False)
+            if self.overlap:
+                self._ahead = chunk  # read after the next chunk is launched
+            else:
+                self._remove_rows(self._read(chunk))
+            return
+        tokens = [r.completion[-1] for r in self._rows]
+        positions = [r.length - 1 for r in self._rows]
         logits = self.decoder.decode(tokens, positions)
         self._sample_rows(logits, 0)
 
-    def _chunk_steps(self) -> int:
+    def _step_ahead(self) -> None:
+        """With a chunk in flight: launch the next one for the same rows where nothing waits for the rows to change,
+        then read the one in flight; retire the rows that finished (reading the new chunk first, if any)."""
+        previous, self._ahead = self._ahead, None
+        assert previous is not None
+        admissible = self._waiting and len(self._rows) < self.decoder.max_rows
+        if not admissible and self._inbox.empty():
+            steps = self._chunk_steps(ahead=previous.steps)
+            if steps > 0:
+                self._ahead = self._launch(steps, follow=True, ahead=previous.steps)
+                self.chunks_ahead += 1
+        finished = self._read(previous)
+        if finished and self._ahead is not None:
+            current, self._ahead = self._ahead, None
+            finished += self._read(current)
+        self._remove_rows(sorted(set(finished)))
+
+    def _catch_up(self) -> None:
+        """Read the chunk in flight, if any, and retire its finished rows: the rows are then the host's to change."""
+        if self._ahead is not None:
+            chunk, self._ahead = self._ahead, None
+            self._remove_rows(self._read(chunk))
+
+    def _launch(self, steps: int, follow: bool, ahead: int = 0) -> _Chunk:
+        """Launch `steps` decode steps of every row (`follow`: continuing a chunk still in flight, `ahead` steps
+        beyond the rows' recorded tokens) and the copy of their tokens to the host, without waiting for either."""
+        requests = list(self._rows)
+        positions = [r.length - 1 + ahead for r in requests]
+        uniforms = torch.tensor([[1.0 - r.rng.random() for r in requests] for _ in range(steps)], dtype=torch.float64)
+        if follow:
+            tokens, temperature = None, None
+        else:
+            tokens = [r.completion[-1] for r in requests]
+            temperature = torch.tensor([r.params.temperature for r in requests], dtype=torch.float32)
+        sampled = self.decoder.decode_many(tokens, positions, temperature, uniforms, follow=follow)
+        if sampled is None:
+            raise RuntimeError(f"{type(self.decoder).__name__} cannot decode several steps at once")
+        stacked = torch.stack((sampled[0].double(), sampled[1].double()))
+        if stacked.device.type != "cuda":
+            return _Chunk(requests, steps, stacked.cpu(), None)
+        host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=True)
+        host.copy_(stacked, non_blocking=True)  # one device-to-host copy per chunk
+        ready = torch.cuda.Event()
+        ready.record()
+        return _Chunk(requests, steps, host, ready)
+
+    def _chunk_steps(self, ahead: int = 0) -> int:
         """How many decode steps to run before returning to the host: `decode_steps`, fewer when no row needs that
         many more tokens or the longest row would pass max_model_len, and 1 when a row filters its vocabulary
-        (top-p / top-k: sampled by the general path) or the decoder cannot chain steps."""
+        (top-p / top-k: sampled by the general path) or the decoder cannot chain steps. With `ahead` steps already
+        in flight: the steps to launch after them, 0 when no row needs more (or none may be launched)."""
         if self.decode_steps <= 1 or type(self.decoder).decode_many is Decoder.decode_many:
-            return 1
+            return 0 if ahead else 1
         vocab = self.model.config.vocab_size
         if any(r.params.top_p < 1 or 0 < r.params.top_k < vocab for r in self._rows):
-            return 1
-        wanted = max(r.params.max_tokens - len(r.completion) for r in self._rows)
-        room = self.max_model_len - max(r.length for r in self._rows)
-        return max(1, min(self.decode_steps, wanted, room))
+            return 0 if ahead else 1
+        wanted = max(r.params.max_tokens - len(r.completion) for r in self._rows) - ahead
+        room = self.max_model_len - max(r.length for r in self._rows) - ahead
+        steps = min(self.decode_steps, wanted, room)
+        return max(0, steps) if ahead else max(1, steps)
 
-    def _accept_chunk(self, requests: list[_Request], tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        """Record each row's tokens of a multi-step chunk in order, up to where the row finished (later tokens of a
-        finished row were decoded past its end and are dropped), then retire the finished rows."""
-        on_host = torch.stack((tokens.double(), logprobs.double())).cpu()  # one device-to-host copy per chunk
-        token_rows, logprob_rows = on_host[0].long().T.tolist(), on_host[1].T.tolist()
+    def _read(self, chunk: _Chunk) -> list[int]:
+        """Record each row's tokens of a chunk in order, up to where the row finished (later tokens of a finished
+        row were decoded past its end and are dropped; so are all of a row that finished before). Returns the rows
+        (indices at launch) that finished in this chunk."""
+        if chunk.ready is not None:
+            chunk.ready.synchronize()
+        token_rows, logprob_rows = chunk.host[0].long().T.tolist(), chunk.host[1].T.tolist()
         finished = []
-        for index, request in enumerate(requests):
+        for index, request in enumerate(chunk.requests):
+            if request.done:
+                continue
             for token, logprob in zip(token_rows[index], logprob_rows[index], strict=True):
                 if self._accept(request, token, logprob):
                     finished.append(index)
                     break
-        self._remove_rows(finished)
+        return finished
 
     def _sample_rows(self, logits: torch.Tensor, first_row: int) -> None:
         """Sample the next token of rows first_row.. from `logits`, emit them, retire finished rows."""
@@ -550,6 +626,7 @@ class HFEngine(Engine):
         return next((s for s in request.params.stop if s in tail), None)
 
     def _finish(self, request: _Request, reason: FinishReason, stop: str | int | None = None) -> None:
+        request.done = True
         versions = request.versions or (self.policy_version, self.policy_version)
         finish = Finish(reason, versions, len(request.prompt), len(request.completion), stop)
         self._outbox.append((request.stream, finish))

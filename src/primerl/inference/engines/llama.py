@@ -126,6 +126,11 @@ def _compiled(function):
     return call
 
 
+def _compiled_sampler(function):
+    """The sampler as the CUDA decoder runs it with `compile` (benchmarks/engine.py's baseline replaces this)."""
+    return _compiled(function)
+
+
 def _bucket(n: int, buckets: list[int]) -> int:
     return next(b for b in buckets if b >= n)
 
@@ -198,6 +203,10 @@ class LlamaDecoder(Decoder):
         self.compiled = compile
         # one decoder layer is compiled once and serves every layer (their weights are its arguments)
         self._decode_layer = _compiled(self._layer) if compile else self._layer
+        # the sampling in the CUDA graphs too: compiled, its ~40 kernels over the vocabulary become ~6 (P3: 110 ->
+        # 24 us a step for SmolLM2's 49k tokens, benchmarks/NOTES.md section 11); the CPU keeps the eager kernels
+        self._sample = _compiled_sampler(sample_unfiltered) if compile and self.device.type == "cuda" else sample_unfiltered
+        self._followed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # decode_many(follow=True)
         self.window = torch.arange(max_len, device=self.device)  # window[:span]: the positions a decode step sees
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.sampling_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -416,7 +425,12 @@ class LlamaDecoder(Decoder):
 
     @torch.inference_mode()
     def decode_many(
-        self, tokens: list[int], positions: list[int], temperature: torch.Tensor, uniforms: torch.Tensor
+        self,
+        tokens: list[int] | None,
+        positions: list[int],
+        temperature: torch.Tensor | None,
+        uniforms: torch.Tensor,
+        follow: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         steps, n = uniforms.shape
         span = self._span(max(positions) + steps)
@@ -424,18 +438,25 @@ class LlamaDecoder(Decoder):
         out_logprobs = torch.empty(steps, n, device=self.device)
         uniforms = uniforms.to(self.device, non_blocking=True)
         if not self.cuda_graphs:
-            token_tensor = torch.tensor(tokens, device=self.device)
-            position_tensor = torch.tensor(positions, device=self.device)
-            temperature = temperature.to(self.device)
+            if follow:
+                token_tensor, position_tensor, temperature = self._followed
+            else:
+                token_tensor = torch.tensor(tokens, device=self.device)
+                position_tensor = torch.tensor(positions, device=self.device)
+                temperature = temperature.to(self.device)
             for step in range(steps):
                 logits = self._decode_forward(token_tensor, position_tensor, span)
-                token_tensor, logprobs = sample_unfiltered(logits, temperature, uniforms[step])
+                token_tensor, logprobs = self._sample(logits, temperature, uniforms[step])
                 out_tokens[step], out_logprobs[step] = token_tensor, logprobs
                 position_tensor = position_tensor + 1
+            self._followed = token_tensor, position_tensor, temperature
             return out_tokens, out_logprobs
-        rows = self._load_static_inputs(tokens, positions)
-        self.static_temperature[:n].copy_(temperature, non_blocking=True)
-        self.static_temperature[n:rows].fill_(1.0)
+        if follow:  # the static inputs already hold the last sampled tokens and the positions after them
+            rows = _bucket(n, self.row_buckets)
+        else:
+            rows = self._load_static_inputs(tokens, positions)
+            self.static_temperature[:n].copy_(temperature, non_blocking=True)
+            self.static_temperature[n:rows].fill_(1.0)
         graph = self.sampling_graphs.get((rows, span)) or self._capture(rows, span, sampling=True)
         for step in range(steps):
             self.static_uniform[:n].copy_(uniforms[step])
@@ -448,7 +469,11 @@ class LlamaDecoder(Decoder):
         """One decode step of rows 0..rows-1 with sampling, reading and writing only static buffers (capturable)."""
         tokens, positions = self.static_tokens[:rows], self.static_positions[:rows]
         logits = self._decode_forward(tokens, positions, span)
-        sampled, logprobs = sample_unfiltered(logits, self.static_temperature[:rows], self.static_uniform[:rows])
+        temperature, uniform = self.static_temperature[:rows], self.static_uniform[:rows]
+        if self._sample is not sample_unfiltered:  # compiled: one program for every row count
+            for tensor in (logits, temperature, uniform):
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+        sampled, logprobs = self._sample(logits, temperature, uniform)
         self.static_logprobs[:rows].copy_(logprobs)
         tokens.copy_(sampled)
         positions.add_(1)
