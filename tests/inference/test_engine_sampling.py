@@ -93,3 +93,19 @@ def test_rows_that_do_not_filter_sample_the_same_beside_rows_that_do():
     kept = logits[4].topk(5).values
     expected = logits[4, tokens[4]] - torch.logsumexp(kept, dim=0)
     assert float(logprobs[4]) == pytest.approx(float(expected), abs=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [1000, 4 * _BLOCK])
+def test_the_sampler_compiles_whole(vocab):
+    """The CUDA decoder compiles the sampler into its graphs with `fullgraph=True`: dynamo must trace it without a
+    break for any vocabulary size (one that is not a multiple of the block once failed: a non-contiguous `out=`),
+    and the traced program samples what the eager one does. Traced with dynamo's eager backend (no code generated)."""
+    torch.manual_seed(3)
+    logits = torch.randn(5, vocab) * 3
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.5, 0.8])
+    uniform = 1.0 - torch.rand(5, dtype=torch.float64)
+    traced = torch.compile(sample_unfiltered, backend="eager", fullgraph=True, dynamic=False)
+    tokens, logprobs = traced(logits, temperature, uniform)
+    expected_tokens, expected_logprobs = sample_unfiltered(logits, temperature, uniform)
+    assert tokens.tolist() == expected_tokens.tolist()
+    torch.testing.assert_close(logprobs, expected_logprobs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from primerl.inference.engines.base import SamplingParams
 
@@ -75,9 +76,9 @@ def sample_unfiltered(
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
     peak = scaled.amax(dim=-1, keepdim=True)
     blocks = -(-vocab // _BLOCK)
-    weights = scaled.new_zeros(rows, blocks * _BLOCK)  # exp(scaled - peak), zero past the vocabulary
-    torch.exp(scaled - peak, out=weights[:, :vocab])
-    weights = weights.view(rows, blocks, _BLOCK)
+    # exp(scaled - peak), zero past the vocabulary (a padded copy, not `out=` into a slice: torch.compile takes no
+    # non-contiguous `out=`, which a vocabulary that is not a multiple of the block would give)
+    weights = F.pad(torch.exp(scaled - peak), (0, blocks * _BLOCK - vocab)).view(rows, blocks, _BLOCK)
     block_cdf = weights.sum(dim=-1).cumsum(dim=-1)  # [rows, blocks]
     total = block_cdf[:, -1:]
     target = (uniform[:, None] * total.double()).float()  # in (0, total]
