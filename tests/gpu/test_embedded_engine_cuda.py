@@ -2,7 +2,8 @@
 none). Run on a GPU host with `python -m pytest tests/gpu/test_embedded_engine_cuda.py`.
 
 What is checked: greedy decode through the CUDA graphs equals the uncached reference forward, one step and several
-steps per call (sampling inside the graph), uncompiled and with the decode layer compiled (`inference.compile`).
+steps per call (sampling inside the graph), uncompiled and with the decode layer compiled (`inference.compile`); the
+engine with chunks launched ahead (`overlap`) samples what it samples one step at a time.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def test_chunks_launched_ahead_equal_one_step_at_a_time_on_cuda():
                 return [e.token_id for e in events[:-1]], [e.logprob for e in events[:-1]]
 
             results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+            assert engine.compile, "the compile failed and the engine fell back to the uncompiled step"
             return results, engine.chunks_ahead
         finally:
             await engine.stop()
