@@ -87,10 +87,10 @@ class HFEngine(Engine):
     `decode_steps` decode steps run back to back on the device (sampling included, no host synchronisation between
     them) before the scheduler looks at the tokens: rows that finish inside such a chunk decode a few tokens past
     their end, which are dropped; new requests, aborts and weight updates wait for the chunk to end. `overlap`
-    (default: on for CUDA) launches the next chunk for the same rows before the host reads the last one's tokens, so
-    the device decodes while the host records tokens, checks stops and schedules; when a row of the chunk read
-    has finished, the next one is read at once too and the rows are then retired, and the next launch waits for
-    it (rows change only between chunks). `seed` seeds the seeds drawn for requests that bring none (None: a fresh
+    (default: on for CUDA) launches the next chunk for the same rows before the host reads the last one's tokens
+    when no request waits for a row, so the device decodes while the host records tokens, checks stops and
+    schedules; when a row of the chunk read has finished, the next one is read at once too and the rows are then
+    retired, and the next launch waits for it (rows change only between chunks). `seed` seeds the seeds drawn for requests that bring none (None: a fresh
     stream).
     """
 
@@ -510,11 +510,14 @@ class HFEngine(Engine):
 
     def _step_ahead(self) -> None:
         """With a chunk in flight: launch the next one for the same rows where nothing waits for the rows to change,
-        then read the one in flight; retire the rows that finished (reading the new chunk first, if any)."""
+        then read the one in flight; retire the rows that finished (reading the new chunk first, if any).
+
+        Nothing may wait: with requests waiting (even for a full batch) a row that finishes in the chunk read would
+        stay empty through the chunk launched ahead, so the engine then reads each chunk before the next, as without
+        `overlap`, and refills freed rows at once."""
         previous, self._ahead = self._ahead, None
         assert previous is not None
-        admissible = self._waiting and len(self._rows) < self.decoder.max_rows
-        if not admissible and self._inbox.empty():
+        if not self._waiting and self._inbox.empty():
             steps = self._chunk_steps(ahead=previous.steps)
             if steps > 0:
                 self._ahead = self._launch(steps, follow=True, ahead=previous.steps)
