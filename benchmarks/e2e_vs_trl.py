@@ -103,6 +103,7 @@ def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Nam
             "max_batch_size": args.max_batch_size, "engine": args.engine, **threads.get("inference", {}),
             **({} if args.engine_compile is None else {"compile": args.engine_compile}),
             **({} if args.decode_steps is None else {"decode_steps": args.decode_steps}),
+            **({} if args.engine_overlap is None else {"overlap": args.engine_overlap}),
         },
         "orchestrator": {
             "env": {"id": "reverse-text", "args": {"system_prompt": str(system_prompt_file)}},
@@ -217,7 +218,8 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
                    "rollouts_per_prompt": args.group, "max_new_tokens": args.new_tokens, "lr": args.lr,
                    "precision": "bfloat16" if args.bf16 else "float32", "primerl_max_async_steps": 1,
                    "primerl_weight_transfer": args.weight_transfer, "primerl_max_batch_size": args.max_batch_size,
-                   "primerl_engine_compile": args.engine_compile, "primerl_decode_steps": args.decode_steps},
+                   "primerl_engine_compile": args.engine_compile, "primerl_decode_steps": args.decode_steps,
+                   "primerl_engine_overlap": args.engine_overlap},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "gpu": _gpu_name(), "load_average_1m": round(os.getloadavg()[0], 2),
                     "commit": _commit()},
@@ -256,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=512, help="primerl's packed row length")
     parser.add_argument("--max-batch-size", type=int, default=32, help="primerl's inference.max_batch_size")
     parser.add_argument("--decode-steps", type=int, help="primerl's inference.decode_steps (default: the engine's)")
+    parser.add_argument("--engine-overlap", action=argparse.BooleanOptionalAction, default=None,
+                        help="primerl's inference.overlap (default: the engine's, on for CUDA)")
     parser.add_argument("--engine-compile", action=argparse.BooleanOptionalAction, default=None,
                         help="primerl's inference.compile (default: the engine's, on for CUDA)")
     parser.add_argument("--weight-transfer", default="filesystem", choices=["filesystem", "broadcast", "shared"])

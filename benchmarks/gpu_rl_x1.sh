@@ -78,6 +78,7 @@ p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolL
         --new-tokens 128 --seq-len "${P1_SEQ_LEN:-2048}" --max-batch-size 128 --weight-transfer shared \
         --work-dir "/tmp/p1-$name" ${P1_SKIP_TRL:+--skip-trl} ${P1_COMPILE:+--engine-compile} \
         ${P1_NO_COMPILE:+--no-engine-compile} ${P1_DECODE_STEPS:+--decode-steps "$P1_DECODE_STEPS"} \
+        ${P1_NO_OVERLAP:+--no-engine-overlap} \
         --out "$out/$name.json"
 }
 

@@ -717,6 +717,7 @@ def build_engine(cfg: InferenceConfig) -> Engine:
         max_batch_size=cfg.max_batch_size,
         max_model_len=cfg.max_model_len,
         decode_steps=cfg.decode_steps,
+        overlap=cfg.overlap,
         compile=cfg.compile,
         threads=cfg.threads,
         seed=cfg.seed,
