@@ -36,15 +36,7 @@ def measure(model, rows: int, compile: bool, steps: int) -> dict:
         decoder._decode_forward(*static, span)
     torch.cuda.synchronize()
     setup_s = time.perf_counter() - started
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            decoder._decode_forward(*static, span)
-        torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    device_us = sum(e.time_range.elapsed_us() for e in kernels) / steps
-    top: dict[str, float] = {}
-    for e in kernels:
-        top[e.name] = top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    kernels, top = kernel_profile(lambda: decoder._decode_forward(*static, span), steps)
     decoder.decode(tokens, positions)  # captures the graph of this shape
     graph = decoder.graphs[(decoder._load_static_inputs(tokens, positions), span)]
     replay_us = replay_time_us(graph, steps)
@@ -57,28 +49,35 @@ def measure(model, rows: int, compile: bool, steps: int) -> dict:
     logits = decoder._decode_forward(*static, span)
     temperature = torch.full((rows,), 0.8, device=logits.device)
     uniform = torch.rand(rows, dtype=torch.float64, device=logits.device)
-    decoder._sample(logits, temperature, uniform)  # the engine's sampler (compiled with the layer)
+    decoder._sample(logits, temperature, uniform)  # the engine's sampler (compiled with the layer), warm
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            decoder._sample(logits, temperature, uniform)
-        torch.cuda.synchronize()
-    sampling_kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    sampling_top: dict[str, float] = {}
-    for e in sampling_kernels:
-        sampling_top[e.name] = sampling_top.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    sampling_kernels, sampling_top = kernel_profile(lambda: decoder._sample(logits, temperature, uniform), steps)
     return {
-        "kernels_per_step": len(kernels) / steps,
-        "kernel_time_us_per_step": round(device_us, 1),
+        "kernels_per_step": kernels / steps,
+        "kernel_time_us_per_step": round(sum(top.values()), 1),
         "graph_replay_us_per_step": round(replay_us, 1),
         "tokens_per_s_graph": round(rows / (replay_us / 1e6), 1),
         "sampling_graph_replay_us_per_step": round(sampling_replay_us, 1),
-        "sampling_kernels_per_step": len(sampling_kernels) / steps,
+        "sampling_kernels_per_step": sampling_kernels / steps,
         "sampling_kernel_time_us_per_step": round(sum(sampling_top.values()), 1),
         "setup_s": round(setup_s, 1),
         "top_kernels_us": {k: round(v, 1) for k, v in sorted(top.items(), key=lambda kv: -kv[1])[:12]},
         "top_sampling_kernels_us": {k: round(v, 1) for k, v in sorted(sampling_top.items(), key=lambda kv: -kv[1])[:8]},
     }
+
+
+def kernel_profile(call, steps: int) -> tuple[int, dict[str, float]]:
+    """`call()` `steps` times under the CUDA profiler, no graph: the kernels launched, and each kernel's device time
+    per call (us), by name."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            call()
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per_name: dict[str, float] = {}
+    for e in kernels:
+        per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us() / steps
+    return len(kernels), per_name
 
 
 def replay_time_us(graph: torch.cuda.CUDAGraph, steps: int, before=None) -> float:

@@ -90,8 +90,8 @@ class HFEngine(Engine):
     (default: on for CUDA) launches the next chunk for the same rows before the host reads the last one's tokens
     when no request waits for a row, so the device decodes while the host records tokens, checks stops and
     schedules; when a row of the chunk read has finished, the next one is read at once too and the rows are then
-    retired, and the next launch waits for it (rows change only between chunks). `seed` seeds the seeds drawn for requests that bring none (None: a fresh
-    stream).
+    retired, and the next launch waits for it (rows change only between chunks). `seed` seeds the seeds drawn for
+    requests that bring none (None: a fresh stream).
     """
 
     def __init__(
@@ -525,8 +525,8 @@ class HFEngine(Engine):
         finished = self._read(previous)
         if finished and self._ahead is not None:
             current, self._ahead = self._ahead, None
-            finished += self._read(current)
-        self._remove_rows(sorted(set(finished)))
+            finished += self._read(current)  # rows finished in `previous` are skipped there: no index twice
+        self._remove_rows(finished)
 
     def _catch_up(self) -> None:
         """Read the chunk in flight, if any, and retire its finished rows: the rows are then the host's to change."""
