@@ -5,7 +5,7 @@ Runs the recipe in a fresh run directory (`--run-dir`, default a temporary one),
 metrics.jsonl (mean reward of each step's rollouts) and the checklist's report, and reports: wall time,
 checklist time, time to the first trained step, the reward per step, the mean of the first and of the last three
 steps and their difference, and the load average before and after (other work on the machine slows every figure;
-the file says how busy it was). The checklist's time is the sum of its steps in `<run>/checklist.json`. The model must be in the cache already (`primerl models prepare`): the download is
+the file says how busy it was). The checklist's time is its wall time from `<run>/checklist.json`. The model must be in the cache already (`primerl models prepare`): the download is
 not part of the figure. Prints one JSON object; `--out FILE` also writes it.
 
     uv run python benchmarks/demo_cpu.py --out benchmarks/results/demo_reverse_text_cpu.json [--plot docs/FILE.png]
@@ -80,7 +80,10 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"rl exited {proc.returncode}; see the console above")
     rewards = rewards_per_step(run_dir)
     report = run_dir / "checklist.json"
-    checklist = sum(s["seconds"] for s in json.loads(report.read_text())["steps"]) if report.exists() else None
+    checklist = None
+    if report.exists():  # its wall time (steps that ran together counted once); older reports: the sum of the steps
+        data = json.loads(report.read_text())
+        checklist = data.get("seconds") or sum(s["seconds"] for s in data["steps"])
     trained = sorted(read_metrics(run_dir, "trainer"), key=lambda r: r["step"])
     first3, last3 = statistics.mean(rewards[:3]), statistics.mean(rewards[-3:])
     result = {

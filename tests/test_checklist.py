@@ -115,6 +115,50 @@ def test_scratch_logs_are_removed_after_a_pass_and_kept_and_named_after_a_failur
     assert f"checklist logs: {kept}" in out.getvalue()
 
 
+def test_concurrent_steps_run_together_on_a_cpu_machine_and_report_in_order(tmp_path):
+    """The heavy steps marked concurrent run at the same time here (no GPU, 2+ cores): each of the two waits at a
+    barrier for the other, which would break (failing both) if they ran one after the other. The next step starts only
+    after both, and the report keeps the steps' order."""
+    import io
+    import threading
+
+    from primerl.checklist import Step, run_checklist
+
+    barrier = threading.Barrier(2, timeout=60)
+    order: list[str] = []
+
+    def meets(name):
+        def run(ctx):
+            barrier.wait()
+            order.append(name)
+            return f"{name} met the other"
+        return run
+
+    steps = [Step("first", "waits for second", None, meets("first"), concurrent=True),
+             Step("second", "waits for first", None, meets("second"), concurrent=True),
+             Step("after", "runs after both", 10, lambda ctx: order.append("after") or "ran")]
+    out = io.StringIO()
+    report = run_checklist(None, tmp_path / "run", steps, log_dir=tmp_path / "logs", out=out)
+    assert [(r.name, r.status) for r in report.steps] == [("first", "passed"), ("second", "passed"),
+                                                         ("after", "passed")], out.getvalue()
+    assert order[-1] == "after"
+    assert report.as_dict()["seconds"] == report.seconds is not None  # the wall time, beside each step's own
+    assert "first: waits for second ... (together with second)" in out.getvalue()
+
+
+def test_concurrent_steps_run_one_after_the_other_where_the_machine_does_not_allow_it():
+    from types import SimpleNamespace
+
+    from primerl.checklist import STEPS, _groups
+
+    heavy = ["sft_trainer", "rl_trainer", "inference"]
+    assert [s.name for s in STEPS if s.concurrent] == heavy
+    together = [[s.name for s in group] for group in _groups(STEPS, SimpleNamespace(concurrent_ok=lambda: True))]
+    assert heavy in together and ["rl_smoke"] in together
+    apart = [[s.name for s in group] for group in _groups(STEPS, SimpleNamespace(concurrent_ok=lambda: False))]
+    assert apart == [[s.name] for s in STEPS]
+
+
 def test_the_sft_trainer_step_is_skipped_for_a_recipe_without_an_sft_stage(tmp_path):
     report = tmp_path / "report.json"
     proc = check(str(TINY_RECIPE), "--only", "sft_trainer", "--run-dir", str(tmp_path / "run"), "--report", str(report))

@@ -23,6 +23,11 @@ without a GPU) is skipped, never passed. The heavy steps run the real commands a
 console gets progress lines and a table; the JSON report (default `<run dir>/checklist.json`) gets every step's
 status, detail and duration. Exit code: 0 when nothing failed, 1 when a step failed, 2 on a usage or recipe error.
 
+On a CPU-only machine with two or more cores, `sft_trainer`, `rl_trainer` and `inference` run at the same time (each
+is one process of one compute thread with its own files and port; `benchmarks/NOTES.md` has the demo's checklist on
+2 cores before and after); with GPUs they run one after the other, so a trainer and a server never
+compete for one device's memory. `rl_smoke` always runs after them.
+
 Time limits: the light steps have fixed ones (seconds of work each). The heavy steps have none that a busy machine
 can hit: they run as long as the child processes make progress -- new output in their log, or CPU time spent by the
 child and everything it started -- and fail only after `--stall-timeout` seconds (default 300) without either, naming
@@ -42,6 +47,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -117,6 +123,16 @@ class Context:
         """The recipe trains on GPUs (it asks for some, whether or not it may also run on CPU)."""
         return self.recipe is not None and self.recipe.info.hardware.gpus_per_node > 0
 
+    def concurrent_ok(self) -> bool:
+        """Whether the concurrent steps may run together here: a CPU run on a machine without GPUs and with at least
+        two cores (on a GPU, a trainer and a server that share a device would compete for its memory)."""
+        if self.gpu_recipe() or (os.cpu_count() or 1) < 2:
+            return False
+        try:
+            return self.gpu_count == 0
+        except Fail:  # torch does not import: the steps fail one after the other, each with the reason
+            return False
+
     def require_runnable_here(self) -> None:
         """Skip a heavy step for a recipe that needs GPUs this machine does not have."""
         hw = self.recipe.info.hardware if self.recipe else None
@@ -131,6 +147,9 @@ class Step:
     timeout_s: float | None  # None: no fixed limit; the step fails when its child stops making progress
     run: Callable[[Context], str]  # returns the detail of a pass; raises Skip or Fail
     writes_logs: bool = False  # the step starts children whose logs go to the log directory
+    # May run at the same time as the neighbouring steps marked so, where `Context.concurrent_ok` (each starts one
+    # process of one thread on the CPU, with its own files and port).
+    concurrent: bool = False
 
     def limit(self, stall_timeout_s: float) -> str:
         if self.timeout_s is None:
@@ -358,11 +377,11 @@ STEPS: tuple[Step, ...] = (
     Step("run_dir", "the run directory is writable", 30, check_run_dir),
     Step("model", "model files present with the pinned hashes", 1800, check_model),
     Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves",
-         None, check_sft_trainer, writes_logs=True),
+         None, check_sft_trainer, writes_logs=True, concurrent=True),
     Step("rl_trainer", f"primerl trainer trains one micro-step of {FAKE_RL_CONFIG} and saves",
-         None, check_rl_trainer, writes_logs=True),
+         None, check_rl_trainer, writes_logs=True, concurrent=True),
     Step("inference", "the inference server answers /health, /v1/models and a chat request",
-         None, check_inference, writes_logs=True),
+         None, check_inference, writes_logs=True, concurrent=True),
     Step("rl_smoke", "the full RL stack runs the recipe's smoke variant",
          None, check_rl_smoke, writes_logs=True),
 )
@@ -559,6 +578,7 @@ class ChecklistReport:
     run_dir: str
     steps: list[StepResult]
     log_dir: str | None = None  # where the heavy steps' logs are
+    seconds: float | None = None  # wall time of all the steps (less than their sum where some ran together)
 
     @property
     def failed(self) -> list[StepResult]:
@@ -569,12 +589,14 @@ class ChecklistReport:
 
     def as_dict(self) -> dict[str, Any]:
         return {"recipe": self.recipe, "run_dir": self.run_dir, "ok": not self.failed, "log_dir": self.log_dir,
-                "steps": [asdict(s) for s in self.steps]}
+                "seconds": self.seconds, "steps": [asdict(s) for s in self.steps]}
 
     def table(self) -> str:
         width = max(len(s.name) for s in self.steps) if self.steps else 4
         rows = [f"{'step'.ljust(width)}  status   seconds  detail"]
         rows += [f"{s.name.ljust(width)}  {s.status.ljust(7)}  {s.seconds:7.1f}  {s.detail}" for s in self.steps]
+        if self.seconds is not None:
+            rows.append(f"{'all'.ljust(width)}           {self.seconds:7.1f}  wall time of the checklist")
         return "\n".join(rows)
 
 
@@ -617,15 +639,48 @@ def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_
         print(f"        {message}", file=out, flush=True)
 
     results = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="primerl-checklist-") as work_dir:
         ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say,
                       stall_timeout_s=stall_timeout_s)
-        for i, step in enumerate(steps, 1):
-            print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ...", file=out, flush=True)
-            result = _run_step(step, ctx)
-            print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
-            results.append(result)
-    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir))
+        for group in _groups(steps, ctx):
+            first = len(results) + 1
+            if len(group) == 1:
+                print(f"[{first}/{len(steps)}] {group[0].name}: {group[0].summary} ...", file=out, flush=True)
+                result = _run_step(group[0], ctx)
+                print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
+                results.append(result)
+                continue
+            for i, step in enumerate(group, first):
+                print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ... (together with "
+                      f"{', '.join(other.name for other in group if other is not step)})", file=out, flush=True)
+            with ThreadPoolExecutor(len(group), thread_name_prefix="checklist") as pool:
+                running = {pool.submit(_run_step, step, ctx): step for step in group}
+                done: dict[str, StepResult] = {}
+                for future in as_completed(running):
+                    result = future.result()
+                    print(f"        {result.name} {result.status}: {result.detail} ({result.seconds:.1f} s)",
+                          file=out, flush=True)
+                    done[result.name] = result
+            results.extend(done[step.name] for step in group)
+    return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir),
+                           round(time.monotonic() - started, 1))
+
+
+def _groups(steps: Sequence[Step], ctx: Context) -> Iterator[list[Step]]:
+    """`steps` in order, neighbouring concurrent steps together where the machine allows it, each other step alone."""
+    together = None  # decided at the first concurrent step, after the torch step has probed the machine
+    group: list[Step] = []
+    for step in steps:
+        if step.concurrent and (together if together is not None else (together := ctx.concurrent_ok())):
+            group.append(step)
+            continue
+        if group:
+            yield group
+            group = []
+        yield [step]
+    if group:
+        yield group
 
 
 def _run_step(step: Step, ctx: Context) -> StepResult:

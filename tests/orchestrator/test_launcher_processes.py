@@ -1,6 +1,7 @@
 """The launcher's child processes: logs, stopping (politely, then by force), dying with the launcher; the process
 plan of `rl` for each device layout (commands and environments, without starting anything); torchrun's teardown."""
 
+import json
 import os
 import signal
 import subprocess
@@ -314,3 +315,116 @@ def test_two_torchrun_groups_on_one_host_do_not_meet(tmp_path):
     assert codes == [0, 0], [run.tail() for run in runs]
     for name in ("a", "b"):  # each group is its own two ranks: world size 2, sum 1 + 2
         assert [f.read_text() for f in sorted((tmp_path / name).glob("sum_*"))] == ["2 3", "2 3"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Children forked from a preloaded launcher (`rl.preload`, CPU-only runs)
+
+
+def test_the_cpu_plan_forks_the_server_and_the_trainer_and_no_other_plan_does(tmp_path):
+    cpu = plan(tmp_path / "cpu", 0)
+    assert {name: p.fork for name, p in cpu.items()} == {"inference": True, "orchestrator": False, "trainer": True}
+    for where, num_gpus, overrides in (("gpu", 1, ()), ("gpus", 4, ()), ("off", 0, ("--preload=false",))):
+        assert not any(p.fork for p in plan(tmp_path / where, num_gpus, *overrides).values()), where
+
+
+def _forking_launcher(tmp_path, body: str) -> subprocess.CompletedProcess:
+    """Run `body` in a fresh launcher process (the test process itself is never forked)."""
+    script = textwrap.dedent("""
+        import json, os, sys, time
+        from pathlib import Path
+        from primerl.launch.processes import ManagedProcess, child_environment, preload, primerl_command, stop_all
+        tmp = Path(sys.argv[1])
+    """) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                          check=False)
+
+
+def test_a_forked_command_gets_its_environment_log_exit_code_and_session(tmp_path):
+    done = _forking_launcher(tmp_path, """
+        preload(["primerl.models"])
+        env = child_environment({"PRIMERL_CACHE": str(tmp / "cache")})
+        assert "PRIMERL_CACHE" not in os.environ
+        listed = ManagedProcess("list", primerl_command("models", "list"), tmp / "list.log", env, fork=True)
+        bad = ManagedProcess("bad", primerl_command("models", "bogus"), tmp / "bad.log", env, fork=True)
+        for p in (listed, bad):
+            p.start()
+        sessions = {p.name: os.getsid(p.pid) == p.pid for p in (listed, bad) if p.poll() is None}
+        print(json.dumps({"codes": [listed.popen.wait(), bad.popen.wait()], "sessions": sessions}))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["codes"] == [0, 2]  # argparse's usage error, as from a new interpreter
+    assert all(result["sessions"].values())
+    listed = (tmp_path / "list.log").read_text()
+    assert "(forked, preloaded)" in listed.splitlines()[0]
+    assert f"cache: {tmp_path / 'cache' / 'models'}" in listed  # the child's environment, not the launcher's
+    assert "tiny" in listed
+    assert "invalid choice: 'bogus'" in (tmp_path / "bad.log").read_text()
+
+
+def test_a_forked_server_stops_cleanly_on_sigint_and_dies_with_a_killed_launcher(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import json, time
+        from pathlib import Path
+        from primerl.launch.processes import ManagedProcess, child_environment, preload, primerl_command, stop_all
+        from primerl.ports import free_port
+        tmp = Path({str(tmp_path)!r})
+        preload(["primerl.inference.server"])
+        servers = []
+        for name in ("stopped", "orphaned"):
+            port = free_port()
+            p = ManagedProcess(name, primerl_command("inference", "--model.name=tiny", "--threads=1", f"--port={{port}}"),
+                               tmp / f"{{name}}.log", child_environment(), fork=True)
+            p.start()
+            servers.append((p, port))
+        import httpx
+        for p, port in servers:
+            deadline = time.monotonic() + 300
+            while True:
+                assert p.poll() is None and time.monotonic() < deadline, p.tail()
+                try:
+                    if httpx.get(f"http://127.0.0.1:{{port}}/health").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+        stopped, orphaned = servers[0][0], servers[1][0]
+        (tmp / "titles.json").write_text(json.dumps({{
+            p.name: [Path(f"/proc/{{p.pid}}/cmdline").read_bytes().decode(), Path(f"/proc/{{p.pid}}/comm").read_text()]
+            for p, _ in servers}}))
+        stop_all([stopped], grace_s=60)
+        (tmp / "stopped.code").write_text(str(stopped.poll()))
+        (tmp / "orphan.pid").write_text(str(orphaned.pid))
+        time.sleep(600)
+    """)])
+    try:
+        wait_for(lambda: (tmp_path / "orphan.pid").exists() and (tmp_path / "orphan.pid").read_text(), timeout=600)
+    finally:
+        if not (tmp_path / "orphan.pid").exists():
+            launcher.kill()
+    assert (tmp_path / "stopped.code").read_text() == "0", (tmp_path / "stopped.log").read_text()[-3000:]
+    assert "Traceback" not in (tmp_path / "stopped.log").read_text()
+    for cmdline, comm in json.loads((tmp_path / "titles.json").read_text()).values():
+        # `ps` shows the command the child runs, not the launcher's (whose line it inherited)
+        assert cmdline.rstrip("\0").split("\0")[:2] == ["primerl", "inference"] and "--model.name=tiny" in cmdline
+        assert comm.strip() == "pl-inference"
+    orphan = int((tmp_path / "orphan.pid").read_text())
+    assert _alive(orphan)
+    launcher.kill()
+    launcher.wait()
+    wait_for(lambda: not _alive(orphan), timeout=60)
+
+
+def test_a_launcher_that_had_torch_loaded_before_starts_its_children_fresh(tmp_path):
+    """It may have run OpenMP work (a model converted on first use), whose threads a fork would not carry."""
+    done = _forking_launcher(tmp_path, """
+        import torch
+        torch.ones(64, 64) @ torch.ones(64, 64)
+        from primerl.launch.local import start_processes
+        p = ManagedProcess("list", primerl_command("models", "list"), tmp / "list.log", child_environment(), fork=True)
+        start_processes([p], sys.stdout)
+        print(json.dumps({"code": p.popen.wait(), "fork": p.fork}))
+    """)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.splitlines()[-1]) == {"code": 0, "fork": False}
+    assert "forked" not in (tmp_path / "list.log").read_text().splitlines()[0]

@@ -148,6 +148,11 @@ class RLConfig(ProcessConfig):
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection, description="the orchestrator")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the trainer")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on stop, wait this long before killing a process")
+    preload: bool = Field(
+        True, description="on a CPU-only run (embedded engine, one trainer rank, Linux), the launcher imports torch and "
+        "transformers once and starts the server and the trainer as forks of itself, instead of each importing them "
+        "again (about 9 CPU-s each, on the cores the start-up shares); false: each starts a new interpreter"
+    )
     keep_weights_after_run: int = Field(
         1, ge=0, description="weight snapshots a finished run keeps, newest first: 1 = the trained model only (a "
         "resume needs only the checkpoints); 0 = leave weights/ as trainer.weights.keep_last left it"

@@ -38,6 +38,7 @@ from primerl.launch.processes import (
     Terminated,
     child_environment,
     exit_with_parent,
+    preload,
     primerl_command,
     raise_terminated,
     stop_all,
@@ -254,14 +255,66 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
             extra[ADMIN_TOKEN_VAR] = token
         return child_environment(extra)
 
+    fork = forks_server_and_trainer(cfg, devices, inference, trainer)
     return [
         ManagedProcess("inference", primerl_command("inference", "@", str(config_dir / "inference.toml")),
-                       logs / "inference.log", env(devices.inference, with_token=True)),
+                       logs / "inference.log", env(devices.inference, with_token=True), fork=fork),
         ManagedProcess("orchestrator", primerl_command("orchestrator", "@", str(config_dir / "orchestrator.toml")),
                        logs / "orchestrator.log", env([], with_token=True)),
         ManagedProcess("trainer", trainer_command(config_dir / "trainer.toml", devices.trainer_ranks),
-                       logs / "trainer.log", env(devices.trainer, with_token=False)),
+                       logs / "trainer.log", env(devices.trainer, with_token=False), fork=fork),
     ]
+
+
+# What the server (embedded engine) and the trainer import before their first line of work: torch, transformers'
+# model classes, the web stack. The orchestrator imports neither torch nor transformers' models (it starts as a new
+# interpreter, at once, while the launcher preloads).
+PRELOAD_MODULES = (
+    "torch",
+    "transformers.models.auto.modeling_auto",
+    "transformers.models.auto.tokenization_auto",
+    "primerl.inference.server",
+    "primerl.inference.engines.hf",
+    "primerl.inference.engines.llama",
+    "primerl.trainer.rl",
+    "primerl.trainer.model",
+)
+
+
+def forks_server_and_trainer(cfg: RLConfig, devices: DeviceAssignment, inference: Any, trainer: Any) -> bool:
+    """Whether the launcher starts the server and the trainer as forks of itself after `preload` (`rl.preload`): on a
+    CPU-only run of the embedded engine and one trainer rank, with both thread counts set (OpenMP's own settings are
+    the launcher's once torch is loaded; torch's thread count is set by each process), on Linux. With GPUs the children
+    start fresh (no CUDA state may cross a fork), and torchrun starts its ranks itself."""
+    return (cfg.preload and sys.platform.startswith("linux") and not devices.inference and not devices.trainer
+            and devices.trainer_ranks == 1 and inference.engine == "hf" and inference.threads is not None
+            and trainer.train.threads is not None)
+
+
+def start_processes(processes: Sequence[ManagedProcess], stream) -> None:
+    """Start `processes`: those started fresh first (the orchestrator starts at once), then, after the launcher
+    preloaded what they import, the forked ones. They start fresh instead where this process had torch loaded before
+    the preload (it may have run OpenMP work, converting a model on first use: GNU OpenMP's threads do not survive a
+    fork, and a child's first parallel region would wait for them), or where the preload fails (they then report the
+    error themselves)."""
+    if "torch" in sys.modules:
+        for p in processes:
+            p.fork = False
+    for p in processes:
+        if not p.fork:
+            p.start()
+    forked = [p for p in processes if p.fork]
+    if not forked:
+        return
+    try:
+        preload(PRELOAD_MODULES)
+    except Exception as error:  # noqa: BLE001 -- the processes import the same modules and say what is wrong
+        print(f"rl: preloading failed ({type(error).__name__}: {error}); the server and the trainer start as new "
+              "interpreters", file=stream, flush=True)
+        for p in forked:
+            p.fork = False
+    for p in forked:
+        p.start()
 
 
 def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
@@ -300,8 +353,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
     try:
-        for p in processes:
-            p.start()
+        start_processes(processes, stream)
         return _supervise(processes, console, cfg, stream, started)
     except (KeyboardInterrupt, Terminated):
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)

@@ -110,22 +110,163 @@ def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars:
     return env
 
 
+def preload(modules: Iterable[str]) -> None:
+    """Import `modules` into this process, so that children started with `ManagedProcess(fork=True)` begin with them
+    loaded. OpenMP reads its settings once, when torch loads it: this process takes the children's wait policy first
+    (`child_environment`'s passive default)."""
+    import importlib
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    for module in modules:
+        importlib.import_module(module)
+
+
+class ForkedChild:
+    """The part of `subprocess.Popen` the launchers use (pid, poll, wait, returncode), for a forked child."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _primerl_args(argv: Sequence[str]) -> list[str]:
+    """The arguments of a `primerl_command` (what follows `python -m primerl.cli`)."""
+    head = primerl_command()
+    if list(argv[: len(head)]) != head:
+        raise ValueError(f"only a primerl command of this interpreter can be forked, not {' '.join(argv)!r}")
+    return list(argv[len(head):])
+
+
+def _fork_primerl(argv: Sequence[str], log_fd: int, env: Mapping[str, str] | None, cwd: Path | None) -> ForkedChild:
+    """Start `primerl <args>` as a fork of this process: what `subprocess.Popen` of the same command line does (own
+    session, stdin from /dev/null, output to the log, `env`, `cwd`, SIGTERM when this process dies), without a new
+    interpreter importing everything again."""
+    args = _primerl_args(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(ready_w)
+        os.read(ready_r, 1)  # as Popen returns: the child has its own session (a stop can reach its group) or is gone
+        os.close(ready_r)
+        return ForkedChild(pid)
+    code: int = 1
+    try:
+        os.close(ready_r)
+        code = _forked_main(args, log_fd, env, cwd, ready_w)
+    except BaseException:  # noqa: BLE001 -- whatever happens, the child must not return into the launcher's code
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+_PR_SET_NAME = 15
+
+
+def _set_process_title(args: Sequence[str], libc) -> None:
+    """Show this forked child as `primerl <args>` in `ps` and /proc/<pid>/cmdline (it inherited the launcher's command
+    line): the kernel reads the command line from the memory of the original arguments, which the interpreter copied at
+    start-up and no longer uses, so the title is written there, cut to its size; `comm` (`ps -o comm`, top) becomes
+    `pl-<command>`."""
+    if not args:
+        return
+    libc.prctl(_PR_SET_NAME, f"pl-{args[0]}"[:15].encode(), 0, 0, 0)
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        start, end = int(fields[45]), int(fields[46])  # arg_start and arg_end: fields 48 and 49 of stat(5)
+    except (OSError, IndexError, ValueError):
+        return
+    size = end - start
+    if size <= 1:
+        return
+    title = "\0".join(["primerl", *args]).encode()[: size - 1]
+    ctypes.memmove(start, title + b"\0" * (size - len(title)), size)
+
+
+def _forked_main(args: list[str], log_fd: int, env: Mapping[str, str] | None, cwd: Path | None, ready: int) -> int:
+    os.setsid()
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a new interpreter
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the launcher's `raise_terminated`
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        _set_process_title(args, libc)
+    os.write(ready, b"1")
+    os.close(ready)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    # New stream objects: another thread of the launcher may have held the old ones' locks at the fork.
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115
+    sys.stdout = open(1, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+    sys.stderr = open(2, "w", buffering=1, closefd=False, errors="backslashreplace")  # noqa: SIM115
+    if env is not None:
+        os.environ.clear()
+        os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    import atexit
+
+    from primerl import cli
+
+    sys.argv = [cli.__file__, *args]
+    try:
+        result = cli.main(args)
+    except SystemExit as stop:
+        result = stop.code
+    except KeyboardInterrupt:
+        result = 128 + signal.SIGINT
+    atexit._run_exitfuncs()  # what the interpreter runs on its way out (logging's flush, the children's own hooks)
+    if result is None or isinstance(result, int):
+        code = result or 0
+    else:  # sys.exit("message"): printed, exit status 1
+        print(result, file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
 @dataclass
 class ManagedProcess:
-    """One named child process with its log file."""
+    """One named child process with its log file. With `fork`, a `primerl_command` starts as a fork of this process
+    (see `preload`) instead of a new interpreter: the same process for everything that watches it, minus the imports."""
 
     name: str
     argv: Sequence[str]
     log_path: Path
     env: Mapping[str, str] | None = None
     cwd: Path | None = None
-    popen: subprocess.Popen | None = field(default=None, repr=False)
+    fork: bool = False
+    popen: subprocess.Popen | ForkedChild | None = field(default=None, repr=False)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(self.argv)}\n".encode())
+            log.write(f"$ {' '.join(self.argv)}{'  (forked, preloaded)' if self.fork else ''}\n".encode())
             log.flush()
+            if self.fork:
+                self.popen = _fork_primerl(self.argv, log.fileno(), self.env, self.cwd)
+                return
             self.popen = subprocess.Popen(
                 list(self.argv),
                 stdin=subprocess.DEVNULL,

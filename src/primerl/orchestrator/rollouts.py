@@ -34,6 +34,7 @@ import verifiers.v1 as vf
 from renderers import RendererConfig
 from verifiers.v1.utils.loaders import harness_class
 
+from primerl.orchestrator.tokenizer import chat_template_renderer, install_renderer_tokenizer_loader
 from primerl.orchestrator.versions import TOKEN_VERSIONS, Runs, TokenVersionLedger, completion_key, join
 
 
@@ -180,7 +181,12 @@ def train_client(
 ) -> vf.TrainClientConfig:
     """The renderer client for a primerl server at `server_url` (scheme://host:port). `renderer_model` is the model
     directory whose tokenizer and chat template render prompts (the served model's own); `renderer` picks the
-    renderer (None: auto-detected from the model, which falls back to the chat template without tool parsing)."""
+    renderer (None: auto-detected from the model, which falls back to the chat template without tool parsing).
+    Its tokenizer and renderer are chosen without importing torch where the model allows it
+    (`primerl.orchestrator.tokenizer`)."""
+    install_renderer_tokenizer_loader()
+    if renderer is None:
+        renderer = chat_template_renderer(renderer_model)
     return vf.TrainClientConfig(
         base_url=f"{server_url.rstrip('/')}/v1",
         api_key_var="PRIMERL_API_KEY",
