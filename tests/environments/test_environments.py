@@ -80,6 +80,29 @@ def test_reverse_text_reward() -> None:
     assert reversal_similarity("", "blue rock") == 0.0
 
 
+def test_reverse_text_words_mode() -> None:
+    from reverse_text import SYSTEM_PROMPT_WORDS, reversal_similarity, reversed_text
+
+    assert reversed_text("the blue rock", "words") == "rock blue the"
+    assert reversal_similarity(" rock blue the\n", "the blue rock", "words") == 1.0
+    assert reversal_similarity("the blue rock", "the blue rock", "words") < 1.0
+    assert reversal_similarity("kcor eulb eht", "the blue rock", "words") < 0.5  # letters reversed: not this task
+    chars, words = list(load_env("reverse-text").taskset), list(load_env("reverse-text", reverse="words").taskset)
+    # the same phrases (the pinned split is checked in both modes); only the instruction and the target differ
+    assert [t.data.text for t in chars] == [t.data.text for t in words]
+    assert words[0].data.system_prompt == SYSTEM_PROMPT_WORDS and words[0].data.reverse == "words"
+    assert chars[0].data.system_prompt != SYSTEM_PROMPT_WORDS and chars[0].data.reverse == "chars"
+
+
+def test_reverse_text_checks_the_pinned_split_in_words_mode(monkeypatch) -> None:
+    import reverse_text
+
+    monkeypatch.setattr(reverse_text, "DEFAULT_SPLIT_SHA256", "0" * 64)
+    with pytest.raises(DataIntegrityError, match="ReverseTextConfig"):
+        list(load_env("reverse-text", reverse="words").taskset)
+    assert len(list(load_env("reverse-text", reverse="words", seed=1).taskset)) == 1000  # another split: not pinned
+
+
 def test_alphabet_sort_scores_every_turn() -> None:
     from alphabet_sort import parse_names, turn_scores
 
