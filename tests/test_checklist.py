@@ -44,9 +44,24 @@ def test_light_steps_pass_for_the_tiny_recipe_and_gpu_steps_are_skipped(tmp_path
     assert found.pop("flash_attn")[0] == "skipped"
     assert {name: status for name, (status, _) in found.items()} == {
         "python": "passed", "torch": "passed", "disk": "passed", "memory": "passed", "ports": "passed",
-        "run_dir": "passed", "model": "passed",
+        "run_dir": "passed", "model": "passed", "environment": "passed",
     }
+    assert found["environment"][1].startswith("reverse-text: loaded; first task reverse-text-0-0"), found
     assert "step" in proc.stdout and "status" in proc.stdout  # the console table
+
+
+def test_an_environment_setting_it_refuses_fails_the_environment_step_in_one_line(tmp_path):
+    recipe = tmp_path / "tiny.toml"
+    text = TINY_RECIPE.read_text()
+    assert text.count('id = "reverse-text"\n') == 1
+    recipe.write_text(text.replace('id = "reverse-text"\n', 'id = "reverse-text"\nargs = {reverse = "letters"}\n'))
+    report = tmp_path / "report.json"
+    proc = check(str(recipe), "--only", "environment", "--run-dir", str(tmp_path / "run"), "--report", str(report))
+    assert proc.returncode == 1 and "environment" in proc.stderr.splitlines()[-1]
+    status, detail = statuses(report)["environment"]
+    assert status == "failed"
+    assert detail == ("[rl.orchestrator.env] environment 'reverse-text': env.args.reverse: Input should be 'chars' or "
+                      "'words' (got 'letters')")
 
 
 def test_steps_a_gpu_recipe_cannot_run_here_are_skipped_with_the_reason(tmp_path):

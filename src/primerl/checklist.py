@@ -262,6 +262,32 @@ def check_model(ctx: Context) -> str:
     return f"{ctx.recipe.pins.model.source}: {len(files) - len(unpinned)} file(s) match their pins{note}"
 
 
+ENV_PROBE = (
+    "import sys\n"
+    "from primerl.config.orchestrator import EnvSection\n"
+    "from primerl.orchestrator.rollouts import EnvConfigError, probe_env\n"
+    "try:\n"
+    "    print(probe_env(EnvSection.model_validate_json(sys.argv[1])))\n"
+    "except EnvConfigError as e:\n"
+    "    sys.exit(str(e))\n"
+)
+
+
+def check_environment(ctx: Context) -> str:
+    """The rl stage's environment loads with the recipe's `env.args` and yields a task: seconds, in a child process
+    (verifiers stays out of the checklist's own), instead of a failed smoke run a minute later."""
+    if ctx.recipe is None:
+        raise Skip("no recipe given: no environment to load")
+    if "rl" not in ctx.recipe.stages:
+        raise Skip("the recipe has no rl stage")
+    section = validate_stage(ctx.recipe, "rl").orchestrator.env
+    proc = subprocess.run([sys.executable, "-c", ENV_PROBE, section.model_dump_json()],
+                          capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        raise Fail(f"[rl.orchestrator.env] {_last_line(proc.stderr)}")
+    return _last_line(proc.stdout)
+
+
 def check_sft_trainer(ctx: Context) -> str:
     ctx.require_runnable_here()
     if ctx.recipe is not None and "sft" not in ctx.recipe.stages:
@@ -376,6 +402,7 @@ STEPS: tuple[Step, ...] = (
     Step("ports", "the ports the run binds are free", 10, check_ports),
     Step("run_dir", "the run directory is writable", 30, check_run_dir),
     Step("model", "model files present with the pinned hashes", 1800, check_model),
+    Step("environment", "the rl stage's environment loads with the recipe's env.args", 330, check_environment),
     Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves",
          None, check_sft_trainer, writes_logs=True, concurrent=True),
     Step("rl_trainer", f"primerl trainer trains one micro-step of {FAKE_RL_CONFIG} and saves",

@@ -141,11 +141,11 @@ def start_server(cfg: EvalConfig):
 def run_eval(cfg: EvalConfig) -> int:
     """Evaluate and write `<output_dir>/results.json`; return the exit code."""
     from primerl.launch.processes import stop_all
-    from primerl.orchestrator.rollouts import UnsandboxedToolsError, env_from_config
+    from primerl.orchestrator.rollouts import EnvConfigError, env_from_config
 
     try:
         env = env_from_config(cfg.env)  # before a server starts: a refused environment costs nothing
-    except UnsandboxedToolsError as e:
+    except EnvConfigError as e:
         print(f"primerl eval: config error: {e}", file=sys.stderr)
         return 2
     cfg.output_dir.mkdir(parents=True, exist_ok=True)

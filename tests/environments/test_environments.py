@@ -94,6 +94,16 @@ def test_reverse_text_words_mode() -> None:
     assert chars[0].data.system_prompt != SYSTEM_PROMPT_WORDS and chars[0].data.reverse == "chars"
 
 
+def test_environment_settings_it_refuses_are_one_line_naming_the_arg() -> None:
+    from primerl.orchestrator.rollouts import EnvConfigError
+
+    with pytest.raises(EnvConfigError) as refused:
+        load_env("reverse-text", revers="words")
+    assert str(refused.value) == "environment 'reverse-text': env.args.revers: Extra inputs are not permitted (got 'words')"
+    with pytest.raises(EnvConfigError, match=r"env.args.reverse: Input should be 'chars' or 'words' \(got 'letters'\)"):
+        load_env("reverse-text", reverse="letters")
+
+
 def test_reverse_text_checks_the_pinned_split_in_words_mode(monkeypatch) -> None:
     import reverse_text
 

@@ -573,7 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 130
-    except bridge.UnsandboxedToolsError as e:
+    except bridge.EnvConfigError as e:
         log.error("config error: %s", e)
         return 2
     except RolloutsFailing as e:

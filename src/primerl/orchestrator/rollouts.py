@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic
 import verifiers.v1 as vf
 from renderers import RendererConfig
 from verifiers.v1.utils.loaders import harness_class
@@ -95,8 +96,24 @@ DEFAULT_HARNESS = "primerl-chat"
 UNSANDBOXED_FLAG = "env.allow_unsandboxed_tools"
 
 
-class UnsandboxedToolsError(ValueError):
+class EnvConfigError(ValueError):
+    """The environment's settings (`env.args`, a role's fields, its harness and runtime) cannot be used as given."""
+
+
+class UnsandboxedToolsError(EnvConfigError):
     """A harness that executes model-directed code was configured to run on the host without a sandbox."""
+
+
+def _validation_lines(env_id: str, error: pydantic.ValidationError) -> str:
+    """One line per field of a verifiers env config that failed to validate, named as the user set it: a taskset
+    field `x` is `env.args.x`."""
+    lines = []
+    for e in error.errors():
+        loc = [str(part) for part in e["loc"]]
+        where = ".".join(["env.args", *loc[1:]] if loc[:1] == ["taskset"] else loc) or "env"
+        got = f" (got {e['input']!r})" if e["type"] != "missing" and not isinstance(e["input"], dict) else ""
+        lines.append(f"{where}: {e['msg']}{got}")
+    return f"environment {env_id!r}: " + "; ".join(lines)
 
 
 def load_env(
@@ -129,9 +146,12 @@ def load_env(
         pinned = default.harness is not None and harness is None
         return common if pinned else {**common, "harness": {"id": fallback}}
 
-    config = vf.resolve_env_config(
-        {"taskset": {"id": env_id, **taskset_args}, **{name: role(default) for name, default in roles.items()}}
-    )
+    try:
+        config = vf.resolve_env_config(
+            {"taskset": {"id": env_id, **taskset_args}, **{name: role(default) for name, default in roles.items()}}
+        )
+    except pydantic.ValidationError as e:
+        raise EnvConfigError(_validation_lines(env_id, e)) from None
     if not allow_unsandboxed_tools:
         refuse_unsandboxed(config)
     return vf.load_environment(config)
@@ -159,6 +179,17 @@ def env_from_config(section: Any) -> vf.Env:
         allow_unsandboxed_tools=section.allow_unsandboxed_tools,
         **section.args,
     )
+
+
+def probe_env(section: Any) -> str:
+    """Load a config's environment and its first task, as the orchestrator will: what the checklist's `environment`
+    step runs (in a child process). Raises `EnvConfigError` for settings the environment refuses."""
+    env = env_from_config(section)
+    first = next(iter(env.taskset), None)
+    if first is None:
+        raise EnvConfigError(f"environment {section.id!r} has no tasks with env.args {section.args}")
+    args = f" with env.args {section.args}" if section.args else ""
+    return f"{section.id}{args}: loaded; first task {task_id(first)}"
 
 
 def task_id(task: vf.Task) -> str:
