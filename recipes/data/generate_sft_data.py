@@ -29,7 +29,7 @@ def reverse_text_conversations(count: int = 1000, seed: int = 1) -> list[list[di
         [
             {"role": "system", "content": reverse_text.SYSTEM_PROMPT},
             {"role": "user", "content": phrase},
-            {"role": "assistant", "content": phrase[::-1]},
+            {"role": "assistant", "content": reverse_text.reversed_text(phrase)},
         ]
         for phrase in phrases
     ]

@@ -41,7 +41,7 @@ def write_sft_data(path: Path, count: int = SFT_CONVERSATIONS, seed: int = SFT_D
             messages = [
                 {"role": "system", "content": reverse_text.SYSTEM_PROMPT},
                 {"role": "user", "content": phrase},
-                {"role": "assistant", "content": phrase[::-1]},
+                {"role": "assistant", "content": reverse_text.reversed_text(phrase)},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
     return path

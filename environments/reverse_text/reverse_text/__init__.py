@@ -23,6 +23,9 @@ SYSTEM_PROMPT = "Reverse the text you are given, character by character. Reply w
 SYSTEM_PROMPT_WORDS = "Reverse the order of the words you are given. Reply with the words only."
 SYSTEM_PROMPTS = {"chars": SYSTEM_PROMPT, "words": SYSTEM_PROMPT_WORDS}
 
+Reverse = Literal["chars", "words"]
+"""What a task reverses: the phrase's characters, or the order of its words."""
+
 
 class ReverseTextConfig(vf.TasksetConfig):
     seed: int = 0
@@ -33,14 +36,14 @@ class ReverseTextConfig(vf.TasksetConfig):
     """Fewest words in a phrase."""
     max_words: int = 5
     """Most words in a phrase."""
-    reverse: Literal["chars", "words"] = "chars"
+    reverse: Reverse = "chars"
     """What is reversed: the phrase's characters ("chars") or the order of its words ("words")."""
 
 
 class ReverseTextData(vf.TaskData):
     text: str
     """The phrase to reverse."""
-    reverse: Literal["chars", "words"] = "chars"
+    reverse: Reverse = "chars"
     """What is reversed: characters or the order of the words."""
 
 
@@ -50,12 +53,12 @@ class ReverseTextTask(vf.Task[ReverseTextData, vf.State, vf.TaskConfig]):
         return reversal_similarity(trace.last_reply, task.text, task.reverse)
 
 
-def reversed_text(text: str, reverse: Literal["chars", "words"] = "chars") -> str:
+def reversed_text(text: str, reverse: Reverse = "chars") -> str:
     """`text` reversed character by character, or its words (split on whitespace) in reverse order."""
     return text[::-1] if reverse == "chars" else " ".join(text.split()[::-1])
 
 
-def reversal_similarity(reply: str, text: str, reverse: Literal["chars", "words"] = "chars") -> float:
+def reversal_similarity(reply: str, text: str, reverse: Reverse = "chars") -> float:
     """SequenceMatcher ratio of `reply` (stripped) to `text` reversed."""
     return difflib.SequenceMatcher(None, reply.strip(), reversed_text(text, reverse)).ratio()
 
