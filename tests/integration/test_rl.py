@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wait_for
 
+from primerl.transport.checkpoints import latest_trainer_step
 from primerl.transport.shared import marker as shared_marker
 from primerl.transport.weights import broadcast_marker, has_files, shared_segment_dir, stable_steps, weights_dir
 
@@ -56,27 +57,33 @@ def test_synchronous_rl_samples_every_step_from_the_policy_it_trains(tmp_path):
 
 
 def test_resume_after_the_launcher_is_killed_continues_from_the_checkpoint(tmp_path):
-    # Six steps: when the launcher dies after two or three trained steps, the orchestrator (at most one step ahead of
-    # the policy) has published at most five batches, so the resumed run must generate some itself.
+    # The first run is long (50 steps) so that it is still running, whatever the machine's speed, when the test sees a
+    # complete trainer checkpoint of step 2 or later and kills the launcher. The resumed run goes three steps past
+    # every batch the orchestrator had published (it is at most one step ahead of the policy), so it must train on
+    # batches it generates itself as well as on those it finds.
     run = tmp_path / "run"
-    proc = start_rl(run, "--max_steps=6")
-    wait_for(lambda: len(records(run, "trainer")) >= 2 and (run / "checkpoints" / "step_2" / "trainer").is_dir(),
-             timeout=400, what="two trained steps", proc=proc)
+    proc = start_rl(run, "--max_steps=50")
+    wait_for(lambda: latest_trainer_step(run) >= 2, timeout=400, what="a trainer checkpoint of step 2 or later",
+             proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
+    checkpoint = latest_trainer_step(run)
     trained_before = len(records(run, "trainer"))
     batches_before = len(records(run, "orchestrator"))
+    assert 2 <= checkpoint <= trained_before < 50
+    last = max(trained_before, batches_before) + 3
 
-    result = run_rl(run, "--max_steps=6", "--resume")
+    result = run_rl(run, f"--max_steps={last}", "--resume")
     assert result.returncode == 0, result.stdout + result.stderr
     resumed_trainer = records(run, "trainer")[trained_before:]
     resumed_orchestrator = records(run, "orchestrator")[batches_before:]
-    assert resumed_trainer[0]["step"] >= 3, resumed_trainer  # not from scratch: from checkpoint step >= 2
-    assert resumed_trainer[-1]["step"] == 6
-    assert resumed_orchestrator and resumed_orchestrator[0]["step"] >= 2
+    assert resumed_trainer[0]["step"] == checkpoint + 1, resumed_trainer  # not from scratch: from the checkpoint
+    assert resumed_trainer[-1]["step"] == last
+    assert resumed_orchestrator and resumed_orchestrator[-1]["step"] == last
+    assert f"(resumed at step {checkpoint})" in result.stdout
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
-    assert stable_steps(run)[-1] == 6
+    assert stable_steps(run)[-1] == last
 
 
 def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
@@ -150,17 +157,20 @@ def test_rl_with_shared_weights(tmp_path):
 
 def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
     run = tmp_path / "run"
-    steps = 10  # far more than are trained before the kill, so the run is always cut short
-    overrides = (f"--max_steps={steps}", "--weight_transfer=broadcast", "--trainer.ckpt.interval=3")
-    proc = start_rl(run, *overrides)
-    wait_for(lambda: len(records(run, "trainer")) >= 4 and (run / "checkpoints" / "step_3" / "trainer").is_dir(),
-             timeout=400, what="four trained steps", proc=proc)
+    overrides = ("--weight_transfer=broadcast", "--trainer.ckpt.interval=3")
+    # 50 steps: far more than are trained before the kill on any machine, so the run is always cut short; the test
+    # kills it once a step after the first checkpoint is trained, and resumes it to a few steps past what was published
+    proc = start_rl(run, "--max_steps=50", *overrides)
+    wait_for(lambda: latest_trainer_step(run) >= 3 and len(records(run, "trainer")) > latest_trainer_step(run),
+             timeout=400, what="a trained step after a checkpoint", proc=proc)
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
     before = {step: broadcast_marker(weights_dir(run, step)) for step in stable_steps(run)}
+    steps = max(len(records(run, "trainer")), len(records(run, "orchestrator"))) + 3
+    assert steps < 50
 
-    result = run_rl(run, *overrides, "--resume")
+    result = run_rl(run, f"--max_steps={steps}", *overrides, "--resume")
     assert result.returncode == 0, result.stdout + result.stderr
     trainer_log = (run / "logs" / "trainer.log").read_text()
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", trainer_log)
