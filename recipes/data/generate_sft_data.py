@@ -19,20 +19,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-
-def reverse_text_conversations(count: int = 1000, seed: int = 1) -> list[list[dict[str, str]]]:
-    import reverse_text
-
-    words = (resources.files("reverse_text") / "data/words.txt").read_text().split()
-    phrases = reverse_text.generate_phrases(words, seed, count, 2, 5)
-    return [
-        [
-            {"role": "system", "content": reverse_text.SYSTEM_PROMPT},
-            {"role": "user", "content": phrase},
-            {"role": "assistant", "content": reverse_text.reversed_text(phrase)},
-        ]
-        for phrase in phrases
-    ]
+from primerl.demo import reverse_text_conversations
 
 
 def wordle_conversations(rounds: int = 3, seed: int = 1, max_guesses: int = 6) -> list[list[dict[str, str]]]:
@@ -76,7 +63,7 @@ def write_jsonl(path: Path, conversations: list[list[dict[str, str]]]) -> None:
 def main(argv: list[str]) -> int:
     out = Path(argv[0]) if argv else Path(__file__).parent
     out.mkdir(parents=True, exist_ok=True)
-    write_jsonl(out / "reverse-text-sft.jsonl", reverse_text_conversations())
+    write_jsonl(out / "reverse-text-sft.jsonl", reverse_text_conversations(count=1000, seed=1))
     write_jsonl(out / "wordle-sft.jsonl", wordle_conversations())
     return 0
 

@@ -26,8 +26,10 @@ SFT_DATA_SEED = 1  # the RL tasks are the environment's seed-0 split
 SFT_CONVERSATIONS = 512
 
 
-def write_sft_data(path: Path, count: int = SFT_CONVERSATIONS, seed: int = SFT_DATA_SEED) -> Path:
-    """Reversal conversations in the format `primerl sft` reads: {"messages": [system, user, assistant]} per line."""
+def reverse_text_conversations(count: int, seed: int) -> list[list[dict[str, str]]]:
+    """`count` reversal conversations [system, user, assistant]: phrases drawn with `seed` from the reverse-text
+    environment's pinned word list under its default lengths, each answered with the phrase reversed letter by
+    letter (the environment's default task and instruction)."""
     import reverse_text
 
     from primerl.orchestrator.envkit import read_pinned
@@ -35,14 +37,21 @@ def write_sft_data(path: Path, count: int = SFT_CONVERSATIONS, seed: int = SFT_D
     words = read_pinned("reverse_text", "data/words.txt", reverse_text.WORDS_SHA256).decode().split()
     defaults = reverse_text.ReverseTextConfig()
     phrases = reverse_text.generate_phrases(words, seed, count, defaults.min_words, defaults.max_words)
+    return [
+        [
+            {"role": "system", "content": reverse_text.SYSTEM_PROMPT},
+            {"role": "user", "content": phrase},
+            {"role": "assistant", "content": reverse_text.reversed_text(phrase)},
+        ]
+        for phrase in phrases
+    ]
+
+
+def write_sft_data(path: Path, count: int = SFT_CONVERSATIONS, seed: int = SFT_DATA_SEED) -> Path:
+    """Reversal conversations in the format `primerl sft` reads: {"messages": [system, user, assistant]} per line."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
-        for phrase in phrases:
-            messages = [
-                {"role": "system", "content": reverse_text.SYSTEM_PROMPT},
-                {"role": "user", "content": phrase},
-                {"role": "assistant", "content": reverse_text.reversed_text(phrase)},
-            ]
+        for messages in reverse_text_conversations(count, seed):
             f.write(json.dumps({"messages": messages}) + "\n")
     return path
 
