@@ -109,10 +109,7 @@ class Context:
                 "[{'name': torch.cuda.get_device_name(i), 'memory_gb': "
                 "round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)} for i in range(n)]}))"
             )
-            proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=False)
-            if proc.returncode != 0:
-                raise Fail(f"import torch failed: {_last_line(proc.stderr)}")
-            self._torch = json.loads(proc.stdout.strip().splitlines()[-1])
+            self._torch = json.loads(_python_child(probe, failed="import torch failed: {}"))
         return self._torch
 
     @property
@@ -193,11 +190,8 @@ def check_flash_attn(ctx: Context) -> str:
         raise Skip("CPU recipe: flash-attn is not used")
     if ctx.gpu_count == 0:
         raise Skip("no CUDA GPU on this machine")
-    proc = subprocess.run([sys.executable, "-c", "import flash_attn; print(flash_attn.__version__)"],
-                          capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        raise Fail(f"import flash_attn failed: {_last_line(proc.stderr)}")
-    return f"flash_attn {proc.stdout.strip()}"
+    version = _python_child("import flash_attn; print(flash_attn.__version__)", failed="import flash_attn failed: {}")
+    return f"flash_attn {version}"
 
 
 def check_disk(ctx: Context) -> str:
@@ -281,11 +275,7 @@ def check_environment(ctx: Context) -> str:
     if "rl" not in ctx.recipe.stages:
         raise Skip("the recipe has no rl stage")
     section = validate_stage(ctx.recipe, "rl").orchestrator.env
-    proc = subprocess.run([sys.executable, "-c", ENV_PROBE, section.model_dump_json()],
-                          capture_output=True, text=True, timeout=300, check=False)
-    if proc.returncode != 0:
-        raise Fail(f"[rl.orchestrator.env] {_last_line(proc.stderr)}")
-    return _last_line(proc.stdout)
+    return _python_child(ENV_PROBE, section.model_dump_json(), failed="[rl.orchestrator.env] {}")
 
 
 def check_sft_trainer(ctx: Context) -> str:
@@ -422,6 +412,17 @@ STEP_NAMES = tuple(s.name for s in STEPS)
 def _last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
+
+
+def _python_child(code: str, *args: str, failed: str) -> str:
+    """Run `code` in a child Python (what it imports cannot break the checklist's own process) and return the last
+    line it printed; a non-zero exit fails the step with `failed`, its "{}" filled with the last line of the child's
+    stderr."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+                          check=False)
+    if proc.returncode != 0:
+        raise Fail(failed.format(_last_line(proc.stderr)))
+    return _last_line(proc.stdout)
 
 
 def _project_file(relative: str) -> Path:
