@@ -17,6 +17,8 @@ import os
 import time
 from pathlib import Path
 
+from primerl.cache import cache_dir
+
 SETTLE_S = 2.0
 
 
@@ -33,8 +35,6 @@ def sha256_stamped(path: Path, stamps: Path | None = None) -> str:
     it was stamped, else hashed (and stamped). A stamp that cannot be read or written is the same as none."""
     path = Path(path).resolve()
     if stamps is None:
-        from primerl.models import cache_dir
-
         stamps = cache_dir() / "digests"
     stamp = stamps / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
     before = _identity(path)

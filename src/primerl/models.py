@@ -33,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from primerl.cache import cache_dir
 from primerl.digests import sha256_file
 
 EMBEDDED = "smollm2-135m-instruct"
@@ -97,18 +98,7 @@ CHATML_TEMPLATE = (
 
 MODEL_DIRS_VAR = "PRIMERL_MODEL_DIRS"
 
-
-CACHE_VAR = "PRIMERL_CACHE"
 STDERR_FD = 2
-
-
-def cache_dir() -> Path:
-    """`$PRIMERL_CACHE`, else `$XDG_CACHE_HOME/primerl` (an absolute path, as the XDG spec requires), else
-    `~/.cache/primerl`."""
-    if os.environ.get(CACHE_VAR):
-        return Path(os.environ[CACHE_VAR]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "primerl"
 
 
 def prepared_dirs() -> list[Path]:
