@@ -18,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -33,6 +31,7 @@ import tomli_w
 
 from primerl.config import config_from_argv
 from primerl.config.rl import DeviceAssignment, RLConfig
+from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import (
     ManagedProcess,
     Terminated,
@@ -56,38 +55,8 @@ EXIT_INTERRUPTED = 130
 POLL_S = 0.25
 
 
-class LaunchError(Exception):
-    """A problem found before any process started; the message is one line."""
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # Preparation
-
-
-def visible_gpus() -> list[str]:
-    """CUDA devices this process may hand out, as the ids to put in CUDA_VISIBLE_DEVICES (no torch import)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [d.strip() for d in visible.split(",") if d.strip() and d.strip() != "-1"]
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
-    except (subprocess.SubprocessError, OSError):
-        return []
-    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
-
-
-def require_writable(run_dir: Path) -> None:
-    """Create `run_dir` and prove a file can be written there; LaunchError (one line) when not: its parent is a file,
-    the filesystem is read-only or full, permissions."""
-    probe = run_dir / f".write-test-{os.getpid()}"
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"ok")
-        probe.unlink()
-    except OSError as e:
-        raise LaunchError(f"cannot write to the run directory {run_dir}: {e.strerror or e}") from None
 
 
 def check_run_dir(run_dir: Path, resume: bool) -> None:

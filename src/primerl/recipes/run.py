@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     wants_help = "-h" in argv or "--help" in argv
     args, rest = _parser(prog, _help_stages(argv, prog) if wants_help else None).parse_known_args(argv)
     from primerl.checklist import CHECKLIST_LOGS, STEPS, run_checklist, write_report
-    from primerl.launch.local import LaunchError, require_writable
+    from primerl.launch.preflight import LaunchError, require_writable
     from primerl.launch.processes import exit_with_parent
 
     exit_with_parent()
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
 def require_gpus(recipe: Recipe) -> None:
     """RecipeError when the recipe needs more GPUs per node than this machine shows (no torch import, no subprocess
     beyond `nvidia-smi -L`): refused before the checklist and before anything is written."""
-    from primerl.launch.local import visible_gpus
+    from primerl.launch.preflight import visible_gpus
 
     hardware = recipe.info.hardware
     if hardware.needs_gpu and (found := len(visible_gpus())) < hardware.gpus_per_node:
