@@ -114,7 +114,8 @@ def test_scratch_logs_are_removed_after_a_pass_and_kept_and_named_after_a_failur
     import io
     import tempfile
 
-    from primerl.checklist import Fail, Step, run_checklist
+    from primerl.checklist.context import Fail, Step
+    from primerl.checklist.runner import run_checklist
 
     def fails(ctx):
         (ctx.log_dir / "failing.log").write_text("what went wrong")
@@ -137,7 +138,8 @@ def test_concurrent_steps_run_together_on_a_cpu_machine_and_report_in_order(tmp_
     import io
     import threading
 
-    from primerl.checklist import Step, run_checklist
+    from primerl.checklist.context import Step
+    from primerl.checklist.runner import run_checklist
 
     barrier = threading.Barrier(2, timeout=60)
     order: list[str] = []
@@ -164,7 +166,8 @@ def test_concurrent_steps_run_together_on_a_cpu_machine_and_report_in_order(tmp_
 def test_concurrent_steps_run_one_after_the_other_where_the_machine_does_not_allow_it():
     from types import SimpleNamespace
 
-    from primerl.checklist import STEPS, _groups
+    from primerl.checklist.runner import _groups
+    from primerl.checklist.steps import STEPS
 
     heavy = ["sft_trainer", "rl_trainer", "inference"]
     assert [s.name for s in STEPS if s.concurrent] == heavy
@@ -183,12 +186,14 @@ def test_the_sft_trainer_step_is_skipped_for_a_recipe_without_an_sft_stage(tmp_p
 
 def watched(tmp_path, monkeypatch, code: str, stall_timeout_s: float):
     """Follow a real child running `code` as a heavy step follows its command; the outcome and the progress lines."""
-    from primerl.checklist import Context, Fail, ProgressWatch, _follow
+    from primerl.checklist.context import Context, Fail
+    from primerl.checklist.heavy import _follow
     from primerl.launch.processes import ManagedProcess, stop_all
+    from primerl.launch.progress import ProgressWatch
 
     monkeypatch.setattr(ProgressWatch, "SAMPLE_EVERY_S", 0.5)
     monkeypatch.setattr(ProgressWatch, "MIN_CPU_S", 0.01)
-    monkeypatch.setattr("primerl.checklist.PROGRESS_EVERY_S", 1.0)
+    monkeypatch.setattr(ProgressWatch, "HEARTBEAT_EVERY_S", 1.0)
     said: list[str] = []
     ctx = Context(None, tmp_path, tmp_path, tmp_path, said.append, stall_timeout_s=stall_timeout_s)
     child = ManagedProcess("child", [sys.executable, "-c", code], tmp_path / "child.log")
@@ -237,3 +242,10 @@ def test_the_full_checklist_passes_for_the_tiny_recipe(tmp_path):
     # The fake-data trainer step trains the recipe's own model, not the embedded default.
     assert found["rl_trainer"][1].endswith("one micro-step on tiny, saved"), found["rl_trainer"]
     assert proc.returncode == 0
+
+
+def test_the_step_names_configs_may_use_are_the_checklist_steps_in_order():
+    from primerl.checklist.steps import STEPS
+    from primerl.config.checklist import STEP_NAMES
+
+    assert tuple(step.name for step in STEPS) == STEP_NAMES

@@ -19,7 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "inference": ("primerl.inference.server", "serve a model over the OpenAI-compatible HTTP API"),
     "trainer": ("primerl.trainer.rl", "the RL trainer process: rollouts/step_n -> weights/step_n"),
     "orchestrator": ("primerl.orchestrator.loop", "the orchestrator process: environments, rollouts, batches"),
-    "check": ("primerl.checklist", "run the validation checklist"),
+    "check": ("primerl.commands.check", "run the validation checklist"),
     "run": ("primerl.recipes.run", "run a recipe: pins, checklist, then its stages"),
     "recipe": ("primerl.recipes.cli", "recipe tools (lock)"),
     "image": ("primerl.launch.images", "container images: build, run, inspect"),

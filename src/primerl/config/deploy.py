@@ -42,6 +42,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from primerl.config.base import Section
+from primerl.config.checklist import STEP_NAMES
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _IMAGE_ID = re.compile(r"^sha256:[0-9a-f]{64}$")
@@ -155,8 +156,6 @@ class DeployConfig(Section):
     @field_validator("checklist_skip")
     @classmethod
     def _known_steps(cls, names: list[str]) -> list[str]:
-        from primerl.checklist import STEP_NAMES
-
         unknown = [n for n in names if n not in STEP_NAMES]
         if unknown:
             raise ValueError(f"unknown checklist step(s) {unknown}; steps: {', '.join(STEP_NAMES)}")

@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
     wants_help = "-h" in argv or "--help" in argv
     args, rest = _parser(prog, _help_stages(argv, prog) if wants_help else None).parse_known_args(argv)
-    from primerl.checklist import CHECKLIST_LOGS, STEPS, run_checklist, write_report
+    from primerl.checklist.report import write_report
+    from primerl.checklist.runner import CHECKLIST_LOGS, run_checklist
+    from primerl.checklist.steps import STEPS
     from primerl.launch.preflight import LaunchError, require_writable
     from primerl.launch.processes import exit_with_parent
 

@@ -1,0 +1,108 @@
+"""Is a child process still making progress? For commands that wait on a child with no fixed time limit.
+
+Progress is new output in the child's log, or CPU time spent by the child and every process it started (the three
+processes under `rl`, for one). On a busy machine a child runs slowly but keeps spending CPU; a stuck child (a
+deadlock, a wait on something that never comes) spends almost none. `ProgressWatch` samples both and says when the
+child stalled and, now and then, what it is doing; what to do about a stall is the caller's business.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from primerl.launch.processes import ManagedProcess
+
+
+class ProgressWatch:
+    """Follows one `ManagedProcess` (call `sample` often): `stalled` after `stall_timeout_s` without new output and
+    without CPU time spent; `heartbeat_due` every `HEARTBEAT_EVERY_S`, when `report` tells what changed. The few
+    milliseconds of an idle poll loop stay far below `MIN_CPU_S` per `SAMPLE_EVERY_S`."""
+
+    SAMPLE_EVERY_S = 5.0
+    MIN_CPU_S = 0.1
+    HEARTBEAT_EVERY_S = 15.0
+
+    def __init__(self, proc: ManagedProcess, stall_timeout_s: float):
+        self.proc = proc
+        self.stall_timeout_s = stall_timeout_s
+        now = time.monotonic()
+        self.started = self.last_output = self.last_working = self.last_sample = self.last_heartbeat = now
+        self.log_size = self._log_size()
+        self.cpu_s = tree_cpu_seconds(proc.pid) or 0.0
+        self.heartbeat_output = self.log_size  # the log's size at the last heartbeat
+
+    def _log_size(self) -> int:
+        try:
+            return self.proc.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def sample(self) -> None:
+        now = time.monotonic()
+        if now - self.last_sample < self.SAMPLE_EVERY_S:
+            return
+        self.last_sample = now
+        size, cpu_s = self._log_size(), tree_cpu_seconds(self.proc.pid)
+        if size != self.log_size:
+            self.log_size, self.last_output = size, now
+        if cpu_s is not None and cpu_s - self.cpu_s >= self.MIN_CPU_S:
+            self.last_working = now
+        self.cpu_s = max(self.cpu_s, cpu_s or 0.0)
+
+    def stalled(self) -> bool:
+        return time.monotonic() - max(self.last_output, self.last_working) > self.stall_timeout_s
+
+    def heartbeat_due(self) -> bool:
+        now = time.monotonic()
+        if now - self.last_heartbeat < self.HEARTBEAT_EVERY_S:
+            return False
+        self.last_heartbeat = now
+        return True
+
+    def report(self) -> str:
+        """What changed since the last report: `42 s, 37 CPU-s; <newest log line>` when there is new output, else
+        `...; no new output for 30 s` (and `, idle for 20 s` when the processes spend no CPU either)."""
+        now = time.monotonic()
+        head = f"{now - self.started:.0f} s, {self.cpu_s:.0f} CPU-s"
+        if self.log_size != self.heartbeat_output:
+            self.heartbeat_output = self.log_size
+            return f"{head}; {last_line(self.proc.tail(5))[:100]}"
+        idle = now - self.last_working
+        return f"{head}; no new output for {now - self.last_output:.0f} s" + (
+            f", idle for {idle:.0f} s" if idle > self.SAMPLE_EVERY_S else "")
+
+
+def last_line(text: str) -> str:
+    """The last line of `text` that is not blank, or `(no output)`."""
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) spent by process `pid`, its descendants, and the children they have reaped, read
+    from /proc; None where there is no /proc (then only the log shows progress)."""
+    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return None
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        stats[int(entry)] = (int(fields[1]), sum(int(v) for v in fields[11:15]) / tick)
+    if pid not in stats:
+        return None
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        total += stats[current][1]
+        todo += children.get(current, [])
+    return total
