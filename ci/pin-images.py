@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from primerl.recipes.cli import lock
+from primerl.commands.recipe import lock
 from primerl.recipes.schema import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]

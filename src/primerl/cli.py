@@ -13,15 +13,15 @@ from collections.abc import Sequence
 
 # command -> (module with main(argv), one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "rl": ("primerl.launch.local", "run RL end to end: inference + orchestrator + trainer (config or recipe)"),
+    "rl": ("primerl.commands.rl", "run RL end to end: inference + orchestrator + trainer (config or recipe)"),
     "sft": ("primerl.trainer.sft", "supervised fine-tuning on chat data"),
     "eval": ("primerl.eval", "evaluate a model on an environment (avg@k, pass@k)"),
     "inference": ("primerl.inference.server", "serve a model over the OpenAI-compatible HTTP API"),
     "trainer": ("primerl.trainer.rl", "the RL trainer process: rollouts/step_n -> weights/step_n"),
     "orchestrator": ("primerl.orchestrator.loop", "the orchestrator process: environments, rollouts, batches"),
     "check": ("primerl.commands.check", "run the validation checklist"),
-    "run": ("primerl.recipes.run", "run a recipe: pins, checklist, then its stages"),
-    "recipe": ("primerl.recipes.cli", "recipe tools (lock)"),
+    "run": ("primerl.commands.run", "run a recipe: pins, checklist, then its stages"),
+    "recipe": ("primerl.commands.recipe", "recipe tools (lock)"),
     "image": ("primerl.launch.images", "container images: build, run, inspect"),
     "launch": ("primerl.launch.command", "run a recipe on SSH hosts or as a Slurm job"),
     "plot": ("primerl.monitor", "write PNG plots of a run directory's metrics"),

@@ -12,7 +12,7 @@ from recipe_helpers import RECIPES, ROOT, TINY_RECIPE, primerl
 
 from primerl.recipes import load_recipe
 from primerl.recipes.manifest import manifest_differences, read_manifest, without_volatile
-from primerl.recipes.run import plan_run, start_run
+from primerl.recipes.plan import plan_run, start_run
 
 
 def prepared_manifest(run_dir):

@@ -13,7 +13,7 @@ from recipe_helpers import TINY_RECIPE, primerl
 from primerl.recipes import load_recipe
 from primerl.recipes.manifest import read_manifest
 from primerl.recipes.pins import architecture, format_checks, verify_pins, version_matches
-from primerl.recipes.run import DRIFT_EXIT_CODE, plan_run, start_run
+from primerl.recipes.plan import DRIFT_EXIT_CODE, plan_run, start_run
 
 
 def sha256(path) -> str:

@@ -38,7 +38,7 @@ def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest 
     usage error (already reported in one line)."""
     from primerl.config import ConfigError
     from primerl.launch.plan import PlanError, load_deploy
-    from primerl.recipes.run import stage_overrides
+    from primerl.recipes.plan import stage_overrides
     from primerl.recipes.schema import RecipeError, load_recipe
 
     prog = f"primerl launch {target}"

@@ -1,12 +1,10 @@
-"""`rl`: run inference, orchestrator and trainer on this machine and watch them.
+"""The `rl` launcher: run inference, orchestrator and trainer on this machine and watch them (`run_rl`).
 
-    rl @ configs/reverse-text/rl.toml [--max_steps 40] [--resume]
-
-What it does, in order: resolves the config (`primerl.config.rl.RLConfig`), prepares the model once, assigns GPUs,
-writes each process's resolved config to `<run>/config/<process>.toml`, starts the three processes (the trainer under
-torchrun when it has several ranks; on a CPU-only run once the server serves) with one log file each in
-`<run>/logs/`, then prints one line per trained step (orchestrator and trainer metrics side by side) under a progress
-bar.
+`rl @ configs/reverse-text/rl.toml [--max_steps 40] [--resume]` (the command line is `primerl.commands.rl`) resolves
+the config and calls `run_rl`, which does, in order: prepares the model once, assigns GPUs, writes each process's
+resolved config to `<run>/config/<process>.toml`, starts the three processes (the trainer under torchrun when it has
+several ranks; on a CPU-only run once the server serves) with one log file each in `<run>/logs/`, then prints one line
+per trained step (orchestrator and trainer metrics side by side) under a progress bar.
 
 It stops the run when the trainer and orchestrator have finished (exit 0), when any process dies (the others are
 stopped, the tail of the failed process's log is printed, exit 1), or on Ctrl-C / SIGTERM (SIGINT to every process,
@@ -29,14 +27,12 @@ from typing import Any
 import pydantic
 import tomli_w
 
-from primerl.config import config_from_argv
 from primerl.config.rl import DeviceAssignment, RLConfig
 from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import (
     ManagedProcess,
     Terminated,
     child_environment,
-    exit_with_parent,
     preload,
     primerl_command,
     raise_terminated,
@@ -409,21 +405,3 @@ def _trained_steps(run_dir: Path) -> int:
 
     return max((int(r["step"]) for r in read_metrics(run_dir, "trainer")), default=0)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`rl recipe.toml` runs a recipe (pins, checklist, stages); `rl [@] config.toml` runs a plain RL config."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    exit_with_parent()
-    from primerl.recipes import recipe_in_argv
-
-    config_files = [a for a in argv if a == "@" or a.startswith("@") or a.endswith(".toml")]
-    if recipe_in_argv(argv) or (not config_files and ("-h" in argv or "--help" in argv)):
-        from primerl.recipes.run import main as run_recipe
-
-        return run_recipe(argv, prog="rl")  # `rl --help` shows the options as a recipe takes them
-    cfg = config_from_argv(RLConfig, argv, prog="rl", summary=(RLConfig.__doc__ or "").strip())
-    return run_rl(cfg)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,9 @@
 """Recipes: one example = one declarative, pinned run (see `primerl.recipes.schema` for the file format).
 
-`is_recipe(path)` tells a recipe (a TOML file with a top-level `[recipe]` table) from a plain config; the `rl` launcher
-hands recipes to `primerl.recipes.run.main`. Importing this package does not import torch.
+The data side of a recipe: its schema, its pins (`pins`), the plan of a run (`plan`) and the manifest it leaves in the
+run directory (`manifest`). The commands that run recipes are in `primerl.commands` (`run`, `recipe`, `rl`).
+`is_recipe(path)` tells a recipe (a TOML file with a top-level `[recipe]` table) from a plain config. Importing this
+package does not import torch.
 """
 
 from primerl.recipes.schema import (

@@ -18,91 +18,26 @@ import argparse
 import subprocess
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pydantic
+from primerl.checklist.report import write_report
+from primerl.checklist.runner import CHECKLIST_LOGS, run_checklist
+from primerl.checklist.steps import STEPS
+from primerl.config import ConfigError
+from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
+from primerl.launch.processes import exit_with_parent, primerl_command
+from primerl.recipes.manifest import MANIFEST_FILE, now, write_manifest
+from primerl.recipes.pins import format_checks
+from primerl.recipes.plan import RunPlan, plan_run, stage_overrides, start_run
+from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, recipe_in_argv
 
-from primerl.config import ConfigError, to_toml
-from primerl.config.loader import closest_option, is_option, parse_args
-from primerl.recipes.manifest import MANIFEST_FILE, build_manifest, now, write_manifest
-from primerl.recipes.pins import PinReport, find_lock_file, format_checks, stderr_progress, verify_pins
-from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, recipe_in_argv, validate_stage
-
-DRIFT_EXIT_CODE = 3
 CHECK_FAILED_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
 
 
-class DriftError(RecipeError):
-    """Pins differ from what this machine has; the message lists pinned vs found."""
-
-    exit_code = DRIFT_EXIT_CODE
-
-
-@dataclass
-class RunPlan:
-    """A recipe about to run: its resolved stage configs and the verified pins."""
-
-    recipe: Recipe
-    run_dir: Path
-    configs: dict[str, pydantic.BaseModel]
-    overrides: dict[str, Any]
-    pins: PinReport
-    allow_drift: bool
-
-    def config_file(self, stage: str) -> Path:
-        return self.run_dir / "config" / f"recipe.{stage}.toml"
-
-
-def plan_run(recipe: Recipe, run_dir: Path, overrides: Mapping[str, Any] | None = None, smoke: bool = False,
-             allow_drift: bool = False, progress=stderr_progress) -> RunPlan:
-    """Resolve the stage configs and verify the pins; raises `RecipeError` (bad config) or `DriftError`. Writes
-    nothing."""
-    recipe.require_supported()
-    run_dir = run_dir.resolve()
-    overrides = dict(overrides or {})
-    configs = {
-        stage: validate_stage(recipe, stage, run_dir=run_dir, smoke=smoke, overrides=overrides.get(stage))
-        for stage in recipe.info.stages
-    }
-    pins = verify_pins(recipe, progress=progress)
-    if pins.drifted and not allow_drift:
-        lines = "\n".join(f"  {c.line()}" for c in pins.drifted)
-        raise DriftError(
-            f"recipe '{recipe.name}': {len(pins.drifted)} pin(s) differ from this machine; nothing was written:\n"
-            f"{lines}\n(fix the machine, update the pins with `primerl recipe lock {recipe.path}`, or pass "
-            "--allow-drift to run anyway and record the drift)"
-        )
-    return RunPlan(recipe, run_dir, configs, overrides, pins, allow_drift)
-
-
-def start_run(plan: RunPlan, checklist: Mapping[str, str] | None) -> dict[str, Any]:
-    """Write the manifest and the resolved stage configs into the run directory; returns the manifest."""
-    plan.run_dir.mkdir(parents=True, exist_ok=True)
-    for stage, cfg in plan.configs.items():
-        path = plan.config_file(stage)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(to_toml(cfg))
-    manifest = build_manifest(
-        plan.recipe,
-        plan.run_dir,
-        plan.pins.as_list(),
-        plan.allow_drift,
-        find_lock_file(plan.recipe.path),
-        {stage: cfg.model_dump(mode="json") for stage, cfg in plan.configs.items()},
-        plan.overrides,
-        checklist,
-    )
-    write_manifest(plan.run_dir, manifest)
-    return manifest
-
-
 def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
     """Run each stage as `primerl <command> @ <its config>`; stop at the first that fails. Returns its exit code."""
-    from primerl.launch.processes import primerl_command
-
     for stage in plan.recipe.info.stages:
         record = manifest["stages"][stage]
         record.update(status="running", started_at=now())
@@ -122,29 +57,6 @@ def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
             return code
     print(f"primerl: recipe {plan.recipe.name} finished; manifest: {plan.run_dir / MANIFEST_FILE}", file=sys.stderr)
     return 0
-
-
-def stage_overrides(recipe: Recipe, argv: list[str]) -> dict[str, Any]:
-    """`--rl.max_steps=5 --sft.optim.lr 1e-5` -> {"rl": {"max_steps": "5"}, "sft": {"optim": {"lr": "1e-5"}}}."""
-    parsed = parse_args(argv)
-    if parsed.files or parsed.dry_run:
-        raise RecipeError("a recipe run takes one recipe file; stage options look like --<stage>.<key>=value")
-    out: dict[str, Any] = {}
-    for dotted, value in parsed.overrides:
-        stage, _, key = dotted.partition(".")
-        if stage not in recipe.stages or not key:
-            raise RecipeError(f"--{dotted}: overrides name a stage of the recipe ({', '.join(recipe.stages)}) then a key")
-        model = STAGE_KINDS[stage].load_model()
-        if not is_option(model, key):
-            close = closest_option(model, key)
-            hint = f"did you mean --{stage}.{close}? " if close else ""
-            raise RecipeError(f"--{dotted}: the {stage} stage has no option '{key}' ({hint}--help lists them)")
-        node = out.setdefault(stage, {})
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
 
 
 def stage_options_help(stages: list[str]) -> str:
@@ -198,12 +110,6 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
     argv = [a[1:] if a.startswith("@") and a.endswith(".toml") else a for a in argv]
     wants_help = "-h" in argv or "--help" in argv
     args, rest = _parser(prog, _help_stages(argv, prog) if wants_help else None).parse_known_args(argv)
-    from primerl.checklist.report import write_report
-    from primerl.checklist.runner import CHECKLIST_LOGS, run_checklist
-    from primerl.checklist.steps import STEPS
-    from primerl.launch.preflight import LaunchError, require_writable
-    from primerl.launch.processes import exit_with_parent
-
     exit_with_parent()
     try:
         recipe = load_recipe(args.recipe)
@@ -241,8 +147,6 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
 def require_gpus(recipe: Recipe) -> None:
     """RecipeError when the recipe needs more GPUs per node than this machine shows (no torch import, no subprocess
     beyond `nvidia-smi -L`): refused before the checklist and before anything is written."""
-    from primerl.launch.preflight import visible_gpus
-
     hardware = recipe.info.hardware
     if hardware.needs_gpu and (found := len(visible_gpus())) < hardware.gpus_per_node:
         raise RecipeError(

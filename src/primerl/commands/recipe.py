@@ -59,7 +59,7 @@ def _image_pin(item: str) -> tuple[str, str]:
 
 
 def verify(path: Path) -> int:
-    from primerl.recipes.run import DRIFT_EXIT_CODE
+    from primerl.recipes.plan import DRIFT_EXIT_CODE
 
     recipe = load_recipe(path)
     report = verify_pins(recipe, progress=stderr_progress)
