@@ -2,7 +2,7 @@
 
 import io
 
-from primerl.launch.local import Console
+from primerl.launch.console import Console
 from primerl.monitor import MetricsLogger
 
 

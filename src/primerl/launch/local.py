@@ -13,7 +13,6 @@ a grace period, then SIGKILL; exit 130).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -28,6 +27,7 @@ import pydantic
 import tomli_w
 
 from primerl.config.rl import DeviceAssignment, RLConfig
+from primerl.launch.console import Console
 from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import (
     ManagedProcess,
@@ -39,14 +39,12 @@ from primerl.launch.processes import (
     stop_all,
     torchrun_command,
 )
-from primerl.monitor import METRICS_FILE, drop_records_after, format_line
+from primerl.monitor import METRICS_FILE, drop_records_after
 from primerl.ports import free_port
 from primerl.transport import checkpoints
 from primerl.transport import weights as weight_snapshots
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
-ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
-TRAINER_KEYS = ["loss", "entropy", "mismatch_kl", "grad_norm", "tokens_per_s"]
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
 
@@ -98,71 +96,6 @@ def _drop_none(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: _drop_none(v) for k, v in value.items() if v is not None}
     return value
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Console
-
-
-class Console:
-    """Follows metrics.jsonl and prints one line per trained step: the orchestrator's record of the batch next to
-    the trainer's record of training on it, with a progress bar on a terminal."""
-
-    def __init__(self, run_dir: Path, max_steps: int, first_step: int, stream=sys.stdout):
-        self.path = run_dir / METRICS_FILE
-        self.max_steps = max_steps
-        self.stream = stream
-        self.offset = self.path.stat().st_size if self.path.exists() else 0
-        self.orchestrator: dict[int, dict] = {}
-        self.first_record_at: float | None = None
-        self.first_step = self.steps_done = first_step
-        self.bar = None
-        if stream.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stderr)
-
-    def poll(self) -> None:
-        for record in self._new_records():
-            if self.first_record_at is None:
-                self.first_record_at = time.time()
-            if record.get("source") == "orchestrator":
-                self.orchestrator[record["step"]] = record
-            elif record.get("source") == "trainer":
-                self._trained(record)
-
-    def _new_records(self) -> list[dict]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        complete = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next poll
-        self.offset += len(complete)
-        records = []
-        for line in complete.decode(errors="replace").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-        return records
-
-    def _trained(self, record: dict) -> None:
-        step = int(record["step"])
-        batch = self.orchestrator.pop(step, {})
-        merged = {**{k: batch.get(k) for k in ORCHESTRATOR_KEYS}, **{k: record.get(k) for k in TRAINER_KEYS}}
-        line = format_line(step, merged, ORCHESTRATOR_KEYS + TRAINER_KEYS).replace(
-            f"step {step}", f"step {step}/{self.max_steps}", 1)
-        if self.bar is not None:
-            self.bar.write(line)
-            self.bar.update(max(0, step - self.steps_done))
-        else:
-            print(line, file=self.stream, flush=True)
-        self.steps_done = max(self.steps_done, step)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
