@@ -23,6 +23,9 @@ from pathlib import Path
 from primerl.multicast import multicast_off
 
 _PR_SET_PDEATHSIG = 1
+# The program a launcher's children run: `python -m primerl.cli <command> ...`, or a fork that runs the same module's
+# `main`. Named, not imported: the entry layer sits above the launchers, and a child is a program of its own.
+ENTRY_MODULE = "primerl.cli"
 
 
 class Terminated(Exception):
@@ -76,7 +79,7 @@ def exit_with_parent(poll_s: float = 0.5) -> None:
 
 def primerl_command(*args: str) -> list[str]:
     """`primerl <args>` run by the interpreter of this process (works without the console scripts on PATH)."""
-    return [sys.executable, "-m", "primerl.cli", *args]
+    return [sys.executable, "-m", ENTRY_MODULE, *args]
 
 
 def torchrun_command(num_ranks: int, program: Sequence[str]) -> list[str]:
@@ -225,9 +228,9 @@ def _forked_main(args: list[str], log_fd: int, env: Mapping[str, str] | None, cw
     if cwd is not None:
         os.chdir(cwd)
     import atexit
+    import importlib
 
-    from primerl import cli
-
+    cli = importlib.import_module(ENTRY_MODULE)
     sys.argv = [cli.__file__, *args]
     try:
         result = cli.main(args)
