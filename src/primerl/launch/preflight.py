@@ -1,7 +1,7 @@
 """What a launcher checks on this machine before it starts any process: the GPUs it may hand out, and a run directory
 it can write. What it finds wrong is a `LaunchError`, whose message is one line for the user.
 
-Light on purpose (no torch, no pydantic): `rl`, `primerl run` and the remote launchers all check these first.
+Light on purpose (no torch, no pydantic): `rl` and `primerl run` check these before anything starts.
 """
 
 from __future__ import annotations
