@@ -116,7 +116,7 @@ def run_child(args: argparse.Namespace) -> int:
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
     from primerl.trainer.weights import WeightPublisher, export_plan
-    from primerl.transport import weights as transport
+    from primerl.transport import snapshots
     from primerl.transport.broadcast import _device_label
 
     setup_logging(0, "bench-trainer")
@@ -234,8 +234,8 @@ def run_child(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             trainer.finish_step(step, metrics, {"next_rollout_step": step}, is_last=False)
             t_published = time.perf_counter()
-            path = transport.weights_dir(run_dir, step)
-            if not transport.is_stable(path):
+            path = snapshots.weights_dir(run_dir, step)
+            if not snapshots.is_stable(path):
                 raise RuntimeError(f"finish_step returned without a STABLE {path}")
             response = http.post("/admin/update_weights", json={"path": str(path), "step": step},
                                  headers={"Authorization": f"Bearer {token}"})
@@ -245,7 +245,7 @@ def run_child(args: argparse.Namespace) -> int:
             state = response.json()
             greedy = _greedy(http)
             answer = [greedy["token_ids"], greedy["first_logprobs"]]
-            marker = transport.broadcast_marker(path)
+            marker = snapshots.broadcast_marker(path)
             record = {
                 "step": step,
                 "e2e_s": t_served - t0,
@@ -254,7 +254,7 @@ def run_child(args: argparse.Namespace) -> int:
                 "server_policy_version": state["policy_version"],
                 "weight_transfer": metrics.get("weight_transfer"),
                 "backend": marker.get("backend") if marker else "shared" if spec.transfer == "shared" else "filesystem",
-                "has_files": transport.has_files(path),
+                "has_files": snapshots.has_files(path),
                 **{k: metrics[k] for k in ("weights_export_s", "weights_broadcast_s", "weights_broadcast_bytes",
                                            "weights_broadcast_buckets", "weights_shared_s", "weights_shared_wait_s")
                    if k in metrics},

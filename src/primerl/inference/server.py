@@ -69,7 +69,7 @@ from primerl.inference.protocol import (
     context_length_error,
     printable,
 )
-from primerl.transport import weights as weight_snapshots
+from primerl.transport import snapshots
 
 log = logging.getLogger("primerl.inference")
 
@@ -393,14 +393,14 @@ class InferenceServer:
                            code="weights_not_found") from None
         if not found:
             raise APIError(400, f"no weights at {printable(req.path)}", param="path", code="weights_not_found")
-        if path.is_dir() and (path / weight_snapshots.SHARED).is_file():
+        if path.is_dir() and (path / snapshots.SHARED).is_file():
             return await self._load_shared(path, req.step)
-        marker = weight_snapshots.broadcast_marker(path) if path.is_dir() else None
+        marker = snapshots.broadcast_marker(path) if path.is_dir() else None
         if marker is not None and self.engine.policy_version >= req.step:
             # the trainer publishes a broadcast marker only after every receiver applied it: confirm, load nothing
             log.info("weights: step %d is live (received by broadcast %s)", req.step, marker.get("transfer_id"))
             return self.admin_state()
-        if marker is not None and not weight_snapshots.has_files(path):
+        if marker is not None and not snapshots.has_files(path):
             raise APIError(
                 400,
                 f"weights step {req.step} were broadcast to the trainer's weight group and this server does not hold "

@@ -46,8 +46,7 @@ from primerl.launch.processes import (
 )
 from primerl.monitor import METRICS_FILE, drop_records_after, format_line
 from primerl.ports import free_port
-from primerl.transport import checkpoints
-from primerl.transport import weights as weight_snapshots
+from primerl.transport import checkpoints, snapshots
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
@@ -363,7 +362,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
         stop_all(processes, cfg.shutdown_grace_s)
-        if cfg.weight_transfer == "shared" and (left := weight_snapshots.release_shared_buffer(run_dir)):
+        if cfg.weight_transfer == "shared" and (left := snapshots.release_shared_buffer(run_dir)):
             print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
                   file=sys.stderr, flush=True)
         console.close()
@@ -402,9 +401,9 @@ def _drop_old_snapshots(cfg: RLConfig, stream) -> None:
     Every process has stopped, so nothing reads them any more."""
     if cfg.keep_weights_after_run == 0:
         return
-    if removed := weight_snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
+    if removed := snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
         print(f"rl: removed the older weight snapshots {removed}; the trained model is "
-              f"{weight_snapshots.weights_dir(cfg.output_dir, weight_snapshots.stable_steps(cfg.output_dir)[-1])}",
+              f"{snapshots.weights_dir(cfg.output_dir, snapshots.stable_steps(cfg.output_dir)[-1])}",
               file=stream, flush=True)
 
 
@@ -414,8 +413,8 @@ def _forget_what_is_redone(run_dir: Path, stream) -> None:
     leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
     before any process starts, so no server can load the snapshots and no process writes metrics meanwhile."""
     step = checkpoints.latest_trainer_step(run_dir)
-    leftovers = weight_snapshots.remove_staging_leftovers(run_dir)
-    removed = weight_snapshots.remove_after(run_dir, step)
+    leftovers = snapshots.remove_staging_leftovers(run_dir)
+    removed = snapshots.remove_after(run_dir, step)
     records = drop_records_after(run_dir, "trainer", step)
     where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
     print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "

@@ -4,7 +4,7 @@ One export plan (`export_plan`) says what inference loads — transformers names
 weights (W + α/r · BA), a tied output head sent once, floating tensors cast to the export dtype — and both transfers
 follow it:
 - filesystem: the full state dict gathered on rank 0, written as a Hugging Face model directory and published
-  atomically with the `STABLE` marker last (primerl.transport.weights);
+  atomically with the `STABLE` marker last (primerl.transport.snapshots);
 - broadcast: every rank gathers one tensor at a time (`DTensor.full_tensor()`), rank 0 packs them into buckets and
   broadcasts them (primerl.transport.broadcast); then a small marker directory (`BROADCAST` + `STABLE`) is published.
 `WeightPublisher` picks the transfer per step, falls back to the filesystem when the group cannot form or a transfer
@@ -29,7 +29,7 @@ from primerl.config.trainer import WeightsConfig
 from primerl.trainer import dist as tdist
 from primerl.trainer.dist import DistInfo
 from primerl.trainer.model import Policy
-from primerl.transport import weights as transport
+from primerl.transport import snapshots
 from primerl.transport.broadcast import (
     BroadcastSender,
     GroupFormationError,
@@ -124,7 +124,7 @@ def export_weights(
     if state is None:
         return None
     tensors = {entry.name: entry.build(state.__getitem__).contiguous() for entry in plan}
-    staged = transport.staging_dir(run_dir, step)
+    staged = snapshots.staging_dir(run_dir, step)
     save_file(tensors, str(staged / "model.safetensors"), metadata={"format": "pt", "step": str(step)})
     config = policy.causal_lm.config
     config_dict = config.to_dict()
@@ -136,8 +136,8 @@ def export_weights(
         generation_config.save_pretrained(staged)
     tokenizer.save_pretrained(staged)
     if broadcast is not None:
-        transport.write_broadcast_marker(staged, broadcast)
-    return transport.publish(staged, run_dir, step)
+        snapshots.write_broadcast_marker(staged, broadcast)
+    return snapshots.publish(staged, run_dir, step)
 
 
 def _full(tensor: Tensor) -> Tensor:
@@ -209,17 +209,17 @@ class WeightPublisher:
         when the run uses (or used) those, version `step` is made loadable from disk; what comes next travels through
         the group."""
         uses_markers = self.cfg.transfer in ("broadcast", "shared") or any(
-            transport.broadcast_marker(transport.weights_dir(self.run_dir, s)) is not None
-            or shared_marker(transport.weights_dir(self.run_dir, s)) is not None
-            for s in transport.stable_steps(self.run_dir))
+            snapshots.broadcast_marker(snapshots.weights_dir(self.run_dir, s)) is not None
+            or shared_marker(snapshots.weights_dir(self.run_dir, s)) is not None
+            for s in snapshots.stable_steps(self.run_dir))
         if self.dist.is_main:
-            if leftovers := transport.remove_staging_leftovers(self.run_dir):
+            if leftovers := snapshots.remove_staging_leftovers(self.run_dir):
                 log.info("resume: removed staging leftovers of a killed export: %s", ", ".join(leftovers))
-            if removed := transport.remove_after(self.run_dir, step):
+            if removed := snapshots.remove_after(self.run_dir, step):
                 log.info("resume: removed weight snapshots %s (newer than checkpoint step %d)", removed, step)
         if not self._agree(not uses_markers):
-            path = transport.weights_dir(self.run_dir, step)
-            on_disk = transport.is_stable(path) and transport.has_files(path)
+            path = snapshots.weights_dir(self.run_dir, step)
+            on_disk = snapshots.is_stable(path) and snapshots.has_files(path)
             if step > 0 and not self._agree(on_disk):
                 export_weights(self.policy, self.tokenizer, self.run_dir, step, self.dtype, self.dist)
                 if self.dist.is_main:
@@ -231,7 +231,7 @@ class WeightPublisher:
         marker = None
         if self.mode == "shared" and not is_last and not also_full and self._share(step, metrics):
             if self.dist.is_main and self.cfg.keep_last is not None:
-                transport.prune(self.run_dir, self.cfg.keep_last)
+                snapshots.prune(self.run_dir, self.cfg.keep_last)
             metrics["weight_transfer"] = self.label
             return metrics
         if self.mode == "broadcast" and not is_last:
@@ -240,11 +240,11 @@ class WeightPublisher:
         if marker is None or also_full:
             export_weights(self.policy, self.tokenizer, self.run_dir, step, self.dtype, self.dist, broadcast=marker)
         elif self.dist.is_main:
-            staged = transport.staging_dir(self.run_dir, step)
-            transport.write_broadcast_marker(staged, marker)
-            transport.publish(staged, self.run_dir, step)
+            staged = snapshots.staging_dir(self.run_dir, step)
+            snapshots.write_broadcast_marker(staged, marker)
+            snapshots.publish(staged, self.run_dir, step)
         if self.dist.is_main and self.cfg.keep_last is not None:
-            transport.prune(self.run_dir, self.cfg.keep_last)
+            snapshots.prune(self.run_dir, self.cfg.keep_last)
         if marker is None or also_full:
             metrics["weights_export_s"] = time.perf_counter() - started
         metrics["weight_transfer"] = self.label

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from primerl.transport import weights as snapshots
+from primerl.transport import snapshots
 
 SHARED = snapshots.SHARED
 SEGMENT_JSON, SEGMENT_HANDLE = snapshots.SEGMENT_JSON, snapshots.SEGMENT_HANDLE
