@@ -115,9 +115,11 @@ def run_child(args: argparse.Namespace) -> int:
     from primerl.trainer.core import Trainer, TrainerParts, micro_batches, setup_logging
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
-    from primerl.trainer.weights import WeightPublisher, export_plan
+    from primerl.trainer.weights import PolicyWeights, export_plan
     from primerl.transport import snapshots
     from primerl.transport.broadcast import _device_label
+    from primerl.transport.weight_transfer.factory import build_publisher
+    from primerl.transport.weight_transfer.modes import transfer_mode
 
     setup_logging(0, "bench-trainer")
     deadline = time.monotonic() + args.timeout_s
@@ -140,10 +142,9 @@ def run_child(args: argparse.Namespace) -> int:
         "--host=127.0.0.1", f"--port={port}", f"--served_model_name={SERVED}", "--max_model_len=256",
         "--max_batch_size=4", "--log_level=info",
     ]
-    if spec.transfer == "shared":
-        server_args += ["--weight_transfer=shared"]
-    if spec.transfer == "broadcast":
-        server_args += ["--weight_transfer=broadcast", f"--weight_broadcast.port={store_port}",
+    server_args.append(f"--weight_transfer={spec.transfer}")
+    if transfer_mode(spec.transfer).weight_group:
+        server_args += [f"--weight_broadcast.port={store_port}",
                         f"--weight_broadcast.init_timeout_s={max(args.timeout_s, 30):g}",
                         f"--weight_broadcast.timeout_s={spec.timeout_s:g}"]
     extra = {ADMIN_TOKEN_VAR: token}
@@ -192,31 +193,26 @@ def run_child(args: argparse.Namespace) -> int:
         result["initial_request"] = initial
         save()
 
-        if spec.transfer == "shared":
-            wcfg = WeightsConfig(interval=1, keep_last=2, transfer="shared", shared_timeout_s=spec.timeout_s)
-            trainer.publisher.close()
-            trainer.publisher = WeightPublisher(wcfg, trainer.policy, trainer.tokenizer, run_dir,
-                                                trainer.export_dtype, trainer.dist, trainer.device)
-            trainer.parts = dataclasses.replace(trainer.parts, weights=wcfg)
-            result["publisher_label"] = trainer.publisher.label
-        if spec.transfer == "broadcast":
-            wcfg = WeightsConfig(interval=1, keep_last=2, transfer="broadcast", broadcast=BroadcastConfig(
-                host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
-                init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s))
+        if spec.transfer != "filesystem":  # the publisher of the mode, (re)built once the server is healthy
+            wcfg = WeightsConfig(interval=1, keep_last=2, transfer=spec.transfer, shared_timeout_s=spec.timeout_s,
+                                 broadcast=BroadcastConfig(
+                                     host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend or "auto",
+                                     init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s))
             trainer.publisher.close()
             t = time.perf_counter()
-            trainer.publisher = WeightPublisher(wcfg, trainer.policy, trainer.tokenizer, run_dir,
-                                                trainer.export_dtype, trainer.dist, trainer.device)
-            formation_s = time.perf_counter() - t
+            source = PolicyWeights(trainer.policy, trainer.tokenizer, trainer.export_dtype, trainer.dist,
+                                   trainer.device)
+            trainer.publisher = publisher = build_publisher(wcfg, source, run_dir)
+            built_s = time.perf_counter() - t
             trainer.parts = dataclasses.replace(trainer.parts, weights=wcfg)
-            publisher = trainer.publisher
             result["publisher_label"] = publisher.label
-            if publisher.mode == "broadcast":
-                result["group_formation_s"] = formation_s
-                result["group_backend"] = publisher.sender.backend if publisher.sender else None
+        if transfer_mode(spec.transfer).weight_group:
+            if publisher.sending:
+                result["group_formation_s"] = built_s
+                result["group_backend"] = getattr(publisher, "backend", None)
             else:
-                result["fallback_s"] = formation_s
-                result["fallback_reason"] = publisher.label.removeprefix("filesystem (fallback: ").removesuffix(")")
+                result["fallback_s"] = built_s
+                result["fallback_reason"] = publisher.fallback
             result["server_receiver"] = _receiver_log(server.log_path, wait_s=3.0)
             save()
 
@@ -245,7 +241,7 @@ def run_child(args: argparse.Namespace) -> int:
             state = response.json()
             greedy = _greedy(http)
             answer = [greedy["token_ids"], greedy["first_logprobs"]]
-            marker = snapshots.broadcast_marker(path)
+            marker = snapshots.marker(path, snapshots.BROADCAST)
             record = {
                 "step": step,
                 "e2e_s": t_served - t0,
@@ -396,7 +392,7 @@ def run_probe_rank(args: argparse.Namespace) -> int:
 
 def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
     from primerl.launch.local import free_port
-    from primerl.launch.processes import _die_with_parent, child_environment
+    from primerl.launch.processes import _child_setup, child_environment
 
     work.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
@@ -410,7 +406,7 @@ def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
             [sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port",
              str(port), "--probe-timeout-s", str(max(5.0, limit_s / 3))],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent))  # noqa: PLW1509 - started from the main thread
+            preexec_fn=_child_setup))  # noqa: PLW1509 - started from the main thread
     timed_out = False
     deadline = time.monotonic() + limit_s
     for p in procs:
@@ -449,7 +445,7 @@ def _kill_group(pid: int) -> None:
 
 def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, limit_s: float,
              gpus: list[str]) -> dict[str, Any]:
-    from primerl.launch.processes import _die_with_parent  # SIGTERM to the child when this process dies
+    from primerl.launch.processes import _child_setup  # SIGTERM to the child when this process dies
 
     # the forced-nccl mode measures the filesystem fallback: two versions show it, the time goes to the other modes
     repeats = min(args.repeats, 2) if mode == "broadcast_nccl_same_gpu" else args.repeats
@@ -464,7 +460,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
     with open(log_path, "wb") as log:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - started from the main thread
+                                 preexec_fn=_child_setup)  # noqa: PLW1509 - started from the main thread
         try:
             child.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:

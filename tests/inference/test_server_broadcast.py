@@ -46,7 +46,7 @@ def send(sender: BroadcastSender, step: int, tensors: dict[str, torch.Tensor]) -
 
 def marker_dir(run: Path, step: int) -> Path:
     staged = snapshots.staging_dir(run, step)
-    snapshots.write_broadcast_marker(staged, {"step": step, "transfer_id": f"test-{step}"})
+    snapshots.write_marker(staged, snapshots.BROADCAST, {"step": step, "transfer_id": f"test-{step}"})
     return snapshots.publish(staged, run, step)
 
 

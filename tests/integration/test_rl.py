@@ -14,7 +14,6 @@ from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wa
 
 from primerl.transport import snapshots
 from primerl.transport.checkpoints import latest_trainer_step
-from primerl.transport.shared import marker as shared_marker
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -118,9 +117,9 @@ def test_rl_with_the_weight_broadcast(tmp_path):
     assert snapshots.stable_steps(run) == [1, 2, 3]
     # step 1: a marker only; step 2: a marker, and full weights as a checkpoint step; step 3, the last: full weights
     step_1, step_2, step_3 = (snapshots.weights_dir(run, step) for step in (1, 2, 3))
-    assert snapshots.broadcast_marker(step_1) and not snapshots.has_files(step_1)
-    assert snapshots.broadcast_marker(step_2) and snapshots.has_files(step_2)
-    assert snapshots.broadcast_marker(step_3) is None and snapshots.has_files(step_3)
+    assert snapshots.marker(step_1, snapshots.BROADCAST) and not snapshots.has_files(step_1)
+    assert snapshots.marker(step_2, snapshots.BROADCAST) and snapshots.has_files(step_2)
+    assert snapshots.marker(step_3, snapshots.BROADCAST) is None and snapshots.has_files(step_3)
     trainer = records(run, "trainer")
     assert [r["weight_transfer"] for r in trainer] == ["broadcast"] * 3
     assert all(r["weights_broadcast_bytes"] > 0 and r["weights_broadcast_buckets"] >= 1 for r in trainer[:2])
@@ -142,9 +141,9 @@ def test_rl_with_shared_weights(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert snapshots.stable_steps(run) == [1, 2, 3]
     step_1, step_2, step_3 = (snapshots.weights_dir(run, step) for step in (1, 2, 3))
-    assert shared_marker(step_1) and not snapshots.has_files(step_1)
-    assert shared_marker(step_2) is None and snapshots.has_files(step_2)
-    assert shared_marker(step_3) is None and snapshots.has_files(step_3)
+    assert snapshots.marker(step_1, snapshots.SHARED) and not snapshots.has_files(step_1)
+    assert snapshots.marker(step_2, snapshots.SHARED) is None and snapshots.has_files(step_2)
+    assert snapshots.marker(step_3, snapshots.SHARED) is None and snapshots.has_files(step_3)
     trainer = records(run, "trainer")
     assert [r["weight_transfer"] for r in trainer] == ["shared"] * 3
     assert trainer[0]["weights_shared_s"] > 0 and "weights_export_s" not in trainer[0]
@@ -168,7 +167,8 @@ def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
-    before = {step: snapshots.broadcast_marker(snapshots.weights_dir(run, step)) for step in snapshots.stable_steps(run)}
+    before = {step: snapshots.marker(snapshots.weights_dir(run, step), snapshots.BROADCAST)
+              for step in snapshots.stable_steps(run)}
     steps = max(len(records(run, "trainer")), len(records(run, "orchestrator"))) + 3
     assert steps < 50
 

@@ -26,7 +26,8 @@ def test_reader_sees_what_the_trainer_wrote_and_the_trainer_waits_for_the_confir
         values = {name: torch.randn(shape) for name, shape in entries()}
         segment.fill(values)
         path = segment.publish(3)
-        assert snapshots.is_stable(path) and shared.marker(path) == {"step": 3, "segment_id": segment.segment_id}
+        assert snapshots.is_stable(path)
+        assert snapshots.marker(path, snapshots.SHARED) == {"step": 3, "segment_id": segment.segment_id}
         views = shared.SharedReader(torch.device("cpu")).tensors(path, tmp_path)
         for name, value in values.items():
             assert views[name].dtype == torch.bfloat16 and torch.equal(views[name], value.to(torch.bfloat16))

@@ -69,7 +69,8 @@ from primerl.inference.protocol import (
     context_length_error,
     printable,
 )
-from primerl.transport import snapshots
+from primerl.transport.weight_transfer.base import LoadRefused, LoadState
+from primerl.transport.weight_transfer.factory import build_receivers
 
 log = logging.getLogger("primerl.inference")
 
@@ -161,8 +162,8 @@ class InferenceServer:
         self.admin_token = cfg.admin_token.get_secret_value()
         self.created = int(time.time())
         self.paused = False
-        self._admin_lock = asyncio.Lock()
-        self._loaded_snapshot: tuple | None = None  # what update_weights loaded last (see _snapshot_identity)
+        self.weight_state = LoadState()  # weight changes, pause and resume take its lock: one at a time
+        self.receivers = build_receivers(cfg.weight_transfer, engine, cfg.weight_broadcast, self.weight_state)
 
     # ---- checks shared by both completion routes
 
@@ -385,70 +386,15 @@ class InferenceServer:
         )
 
     async def update_weights(self, req: UpdateWeightsRequest) -> AdminState:
-        path = Path(req.path)
+        """Make the version at `req.path` live through the receiver of the mode that published it."""
         try:
-            found = path.exists()
-        except OSError as e:  # a name too long for the filesystem, ...
-            raise APIError(400, f"no weights at {printable(req.path)}: {e.strerror}", param="path",
-                           code="weights_not_found") from None
-        if not found:
-            raise APIError(400, f"no weights at {printable(req.path)}", param="path", code="weights_not_found")
-        if path.is_dir() and (path / snapshots.SHARED).is_file():
-            return await self._load_shared(path, req.step)
-        marker = snapshots.broadcast_marker(path) if path.is_dir() else None
-        if marker is not None and self.engine.policy_version >= req.step:
-            # the trainer publishes a broadcast marker only after every receiver applied it: confirm, load nothing
-            log.info("weights: step %d is live (received by broadcast %s)", req.step, marker.get("transfer_id"))
-            return self.admin_state()
-        if marker is not None and not snapshots.has_files(path):
-            raise APIError(
-                400,
-                f"weights step {req.step} were broadcast to the trainer's weight group and this server does not hold "
-                f"them (it serves policy version {self.engine.policy_version}; weight receiver: "
-                f"{self.engine.receiver_state}); load a full snapshot instead",
-                param="path",
-                code="weights_not_received",
-            )
-        async with self._admin_lock:
-            identity = _snapshot_identity(path)
-            if self.engine.policy_version == req.step and self._loaded_snapshot == identity:
-                # a retried request (its first attempt's answer was lost with the connection): already live
-                log.info("weights: step %d from %s is already live", req.step, path)
-                return self.admin_state()
-            started = time.perf_counter()
-            try:
-                await self.engine.update_weights(path, req.step)
-            except (OSError, ValueError, KeyError) as e:
-                raise APIError(400, f"could not load weights from {printable(req.path)}: {e}", param="path") from None
-            self._loaded_snapshot = identity
-            log.info("weights: loaded %s as policy version %d in %.2fs", printable(req.path), req.step,
-                     time.perf_counter() - started)
-        return self.admin_state()
-
-    async def _load_shared(self, path: Path, step: int) -> AdminState:
-        """Copy version `step` from the trainer's shared buffer (see primerl.transport.shared), then confirm it."""
-        from primerl.transport import shared as shared_weights
-
-        run_dir = path.parent.parent
-        async with self._admin_lock:
-            if self.engine.policy_version == step and self._loaded_snapshot == ("shared", step):
-                log.info("weights: step %d (shared) is already live", step)
-                return self.admin_state()
-            started = time.perf_counter()
-            try:
-                await self.engine.load_shared_weights(path, run_dir, step)
-            except NotImplementedError as e:
-                raise APIError(400, f"{e}; use a full snapshot", param="path", code="weights_not_loadable") from None
-            except (OSError, ValueError, KeyError, shared_weights.SharedWeightsError) as e:
-                raise APIError(400, f"could not load shared weights for step {step}: {e}", param="path") from None
-            shared_weights.write_applied(run_dir, step)
-            self._loaded_snapshot = ("shared", step)
-            log.info("weights: copied step %d from the trainer's shared buffer as policy version %d in %.3fs",
-                     step, step, time.perf_counter() - started)
+            await self.receivers.load(Path(req.path), req.step, printable(req.path))
+        except LoadRefused as e:
+            raise APIError(400, e.message, param="path", code=e.code) from None
         return self.admin_state()
 
     async def set_paused(self, paused: bool) -> AdminState:
-        async with self._admin_lock:
+        async with self.weight_state.lock:
             await (self.engine.pause() if paused else self.engine.resume())
             self.paused = paused
             log.info("engine %s", "paused" if paused else "resumed")
@@ -471,13 +417,6 @@ class InferenceServer:
             self.engine.policy_version,
             time.perf_counter() - started,
         )
-
-
-def _snapshot_identity(path: Path) -> tuple:
-    """What tells two loads of `path` apart: the path and its files' sizes and modification times (a snapshot
-    re-published under the same step after a resume is a different snapshot)."""
-    files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return (str(path.resolve()), *((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()))
 
 
 def _finish_reason(finish: Finish | None, has_tool_calls: bool) -> str:
@@ -503,8 +442,7 @@ def create_app(engine: Engine, cfg: InferenceConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
         log.info("serving %s on http://%s:%d", describe_engine(engine), cfg.host, cfg.port)
-        if cfg.weight_transfer == "broadcast":
-            await engine.start_weight_receiver(cfg.weight_broadcast)
+        await server.receivers.start()
         try:
             yield
         finally:

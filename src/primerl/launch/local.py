@@ -47,6 +47,7 @@ from primerl.launch.processes import (
 from primerl.monitor import METRICS_FILE, drop_records_after, format_line
 from primerl.ports import free_port
 from primerl.transport import checkpoints, snapshots
+from primerl.transport.weight_transfer.modes import transfer_mode
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 ORCHESTRATOR_KEYS = ["reward_mean", "completion_len_mean", "truncated_frac", "policy_lag_max", "rollouts_per_s"]
@@ -362,7 +363,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
         stop_all(processes, cfg.shutdown_grace_s)
-        if cfg.weight_transfer == "shared" and (left := snapshots.release_shared_buffer(run_dir)):
+        if transfer_mode(cfg.weight_transfer).shared_memory and (left := snapshots.release_shared_buffer(run_dir)):
             print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
                   file=sys.stderr, flush=True)
         console.close()
