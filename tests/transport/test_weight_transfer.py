@@ -89,8 +89,8 @@ def test_shared_needs_one_device_and_an_unsharded_server():
     with pytest.raises(Unsupported, match=r"GPUs \[0\] and the trainer \[1, 2\]"):
         SHARED.check_devices([0], [1, 2])
     with pytest.raises(Unsupported, match=r"^weight_transfer = 'shared' with vLLM needs "
-                                          r"inference.vllm.tensor_parallel_size = 1 \(the trainer's buffer lives on one "
-                                          r"device\), not 2; use 'filesystem' or 'broadcast' to feed a sharded "
+                                          r"inference.vllm.tensor_parallel_size = 1 \(the trainer's buffer lives on "
+                                          r"one device\), not 2; use 'filesystem' or 'broadcast' to feed a sharded "
                                           r"server$"):
         SHARED.check_sharded_server(2)
     with pytest.raises(Unsupported, match=r"^rl.weight_transfer = 'shared': launch supports 'filesystem'"):
@@ -134,8 +134,10 @@ def new_version(source: PolicyWeights) -> None:
 
 def serves_the_policy(engine: HFEngine, source: PolicyWeights) -> bool:
     params = dict(engine.model.named_parameters(remove_duplicate=False))
-    (tensors,) = source.gather([[spec.name for spec in source.specs()]])
-    return all(torch.equal(params[spec.name], t.to(params[spec.name].dtype)) for spec, t in zip(source.specs(), tensors, strict=True))
+    specs = source.specs()
+    (tensors,) = source.gather([[spec.name for spec in specs]])
+    pairs = zip(specs, tensors, strict=True)
+    return all(torch.equal(params[spec.name], tensor.to(params[spec.name].dtype)) for spec, tensor in pairs)
 
 
 def serve(tiny_model_dir: Path, mode: str, scenario) -> None:
