@@ -194,10 +194,11 @@ def run_child(args: argparse.Namespace) -> int:
         save()
 
         if spec.transfer != "filesystem":  # the publisher of the mode, (re)built once the server is healthy
+            group = BroadcastConfig(host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
+                                    init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s
+                                    ) if transfer_mode(spec.transfer).weight_group else BroadcastConfig()
             wcfg = WeightsConfig(interval=1, keep_last=2, transfer=spec.transfer, shared_timeout_s=spec.timeout_s,
-                                 broadcast=BroadcastConfig(
-                                     host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend or "auto",
-                                     init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s))
+                                 broadcast=group)
             trainer.publisher.close()
             t = time.perf_counter()
             source = PolicyWeights(trainer.policy, trainer.tokenizer, trainer.export_dtype, trainer.dist,
