@@ -3,10 +3,11 @@ them", for every weight transfer that can run here, with the real components.
 
 Per mode, a child process (hard timeout, so nothing can hang this script) is trainer rank 0: the real
 `primerl.trainer.core.Trainer` — one optimizer step on fake RL data (`primerl.trainer.rl.fake_rows`), then
-`Trainer.finish_step`, which publishes the version through `WeightPublisher` exactly as `primerl trainer` does —
-next to a real `primerl inference` server process (embedded engine, `engine = "hf"`). After each step it does what
-the orchestrator does, `POST /admin/update_weights {path, step}`, then one greedy request (`/inference/v1/generate`,
-temperature 0) whose `policy_versions` show which version answered. Timed per version:
+`Trainer.finish_step`, which publishes the version through the mode's publisher (primerl.transport.weight_transfer)
+exactly as `primerl trainer` does — next to a real `primerl inference` server process (embedded engine,
+`engine = "hf"`). After each step it does what the orchestrator does, `POST /admin/update_weights {path, step}`, then
+one greedy request (`/inference/v1/generate`, temperature 0) whose `policy_versions` show which version answered.
+Timed per version:
 
     e2e_s = trainer step done -> finish_step (export / broadcast + marker) -> POST /admin/update_weights answered
 
@@ -640,12 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "P4 weight-update latency: trainer has version k -> inference server serves version k",
         "what": "e2e_s per version: from the end of the trainer's optimizer step (device synchronised) through "
-                "Trainer.finish_step (WeightPublisher: full export, or broadcast + marker) to the answer of POST "
-                "/admin/update_weights {path, step} (the orchestrator's call; its polling interval is not included). "
-                "Then a greedy /inference/v1/generate request shows the version that answers. bytes_per_s = "
+                "Trainer.finish_step (the publisher: full export, shared buffer, or broadcast + marker) to the answer "
+                "of POST /admin/update_weights {path, step} (the orchestrator's call; its polling interval is not "
+                "included). Then a greedy /inference/v1/generate request shows the version that answers. bytes_per_s = "
                 "model_bytes / median e2e_s.",
         "driver": "per mode a child process acting as trainer rank 0 runs the real primerl.trainer.core.Trainer "
-                  "(step on fake RL data, then finish_step -> WeightPublisher.publish), not the `primerl trainer` "
+                  "(step on fake RL data, then finish_step -> Publisher.publish), not the `primerl trainer` "
                   "CLI loop, so that every version's start time is exact and the next version waits until the "
                   "server serves this one; the server is the real `primerl inference` process (engine hf). For "
                   "broadcast modes the publisher is (re)built after the server is healthy.",
