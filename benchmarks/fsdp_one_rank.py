@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             checks["export_s"] = time.perf_counter() - t
             exported = load_file(str(path / "model.safetensors"))
             checks["export_bytes"] = sum(v.numel() * v.element_size() for v in exported.values())
-            # the broadcast path: one DTensor.full_tensor() per tensor, as WeightPublisher._broadcast gathers them
+            # the broadcast path: one DTensor.full_tensor() per tensor, as PolicyWeights.gather does for the publishers
             state = trainer.policy.state_dict()
             t = time.perf_counter()
             max_diff = 0.0

@@ -182,7 +182,7 @@ async def drive(args, cfg, run_dir: Path, num_ranks: int, server, watched) -> No
     from primerl.monitor import MetricsLogger
     from primerl.orchestrator.advantages import group_mean_baseline
     from primerl.transport import rollouts as batches
-    from primerl.transport import weights
+    from primerl.transport import snapshots
 
     inference_cfg = _process_config(run_dir, "inference")
     base_url = f"http://127.0.0.1:{inference_cfg['port']}"
@@ -208,7 +208,7 @@ async def drive(args, cfg, run_dir: Path, num_ranks: int, server, watched) -> No
                 rewards += group_rewards
             batches.write_batch(run_dir, step, samples, cfg.seq_len, num_ranks, tokenizer.pad_token_id, 1.0)
             path = await asyncio.to_thread(_wait_for_weights, run_dir, step + 1, watched, args.timeout_s)
-            stable_at = json.loads((path / weights.STABLE).read_text())["written_at"]
+            stable_at = json.loads((path / snapshots.STABLE).read_text())["written_at"]
             update_start = time.perf_counter()
             response = await http.post("/admin/update_weights", json={"path": str(path), "step": step + 1},
                                        headers={"Authorization": f"Bearer {token}"})
@@ -251,11 +251,11 @@ async def _wait_healthy(http, watched, timeout_s: float) -> None:
 
 
 def _wait_for_weights(run_dir: Path, step: int, watched, timeout_s: float) -> Path:
-    from primerl.transport import weights
+    from primerl.transport import snapshots
 
     deadline = time.monotonic() + timeout_s
-    path = weights.weights_dir(run_dir, step)
-    while not weights.is_stable(path):
+    path = snapshots.weights_dir(run_dir, step)
+    while not snapshots.is_stable(path):
         _check_alive(watched)
         if time.monotonic() > deadline:
             raise TimeoutError(f"weights step {step} not STABLE after {timeout_s:.0f}s")

@@ -3,10 +3,11 @@ them", for every weight transfer that can run here, with the real components.
 
 Per mode, a child process (hard timeout, so nothing can hang this script) is trainer rank 0: the real
 `primerl.trainer.core.Trainer` — one optimizer step on fake RL data (`primerl.trainer.rl.fake_rows`), then
-`Trainer.finish_step`, which publishes the version through `WeightPublisher` exactly as `primerl trainer` does —
-next to a real `primerl inference` server process (embedded engine, `engine = "hf"`). After each step it does what
-the orchestrator does, `POST /admin/update_weights {path, step}`, then one greedy request (`/inference/v1/generate`,
-temperature 0) whose `policy_versions` show which version answered. Timed per version:
+`Trainer.finish_step`, which publishes the version through the mode's publisher (primerl.transport.weight_transfer)
+exactly as `primerl trainer` does — next to a real `primerl inference` server process (embedded engine,
+`engine = "hf"`). After each step it does what the orchestrator does, `POST /admin/update_weights {path, step}`, then
+one greedy request (`/inference/v1/generate`, temperature 0) whose `policy_versions` show which version answered.
+Timed per version:
 
     e2e_s = trainer step done -> finish_step (export / broadcast + marker) -> POST /admin/update_weights answered
 
@@ -115,9 +116,11 @@ def run_child(args: argparse.Namespace) -> int:
     from primerl.trainer.core import Trainer, TrainerParts, micro_batches, setup_logging
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
-    from primerl.trainer.weights import WeightPublisher, export_plan
-    from primerl.transport import weights as transport
+    from primerl.trainer.weights import PolicyWeights, export_plan
+    from primerl.transport import snapshots
     from primerl.transport.broadcast import _device_label
+    from primerl.transport.weight_transfer.factory import build_publisher
+    from primerl.transport.weight_transfer.modes import transfer_mode
 
     setup_logging(0, "bench-trainer")
     deadline = time.monotonic() + args.timeout_s
@@ -140,10 +143,9 @@ def run_child(args: argparse.Namespace) -> int:
         "--host=127.0.0.1", f"--port={port}", f"--served_model_name={SERVED}", "--max_model_len=256",
         "--max_batch_size=4", "--log_level=info",
     ]
-    if spec.transfer == "shared":
-        server_args += ["--weight_transfer=shared"]
-    if spec.transfer == "broadcast":
-        server_args += ["--weight_transfer=broadcast", f"--weight_broadcast.port={store_port}",
+    server_args.append(f"--weight_transfer={spec.transfer}")
+    if transfer_mode(spec.transfer).weight_group:
+        server_args += [f"--weight_broadcast.port={store_port}",
                         f"--weight_broadcast.init_timeout_s={max(args.timeout_s, 30):g}",
                         f"--weight_broadcast.timeout_s={spec.timeout_s:g}"]
     extra = {ADMIN_TOKEN_VAR: token}
@@ -192,31 +194,27 @@ def run_child(args: argparse.Namespace) -> int:
         result["initial_request"] = initial
         save()
 
-        if spec.transfer == "shared":
-            wcfg = WeightsConfig(interval=1, keep_last=2, transfer="shared", shared_timeout_s=spec.timeout_s)
-            trainer.publisher.close()
-            trainer.publisher = WeightPublisher(wcfg, trainer.policy, trainer.tokenizer, run_dir,
-                                                trainer.export_dtype, trainer.dist, trainer.device)
-            trainer.parts = dataclasses.replace(trainer.parts, weights=wcfg)
-            result["publisher_label"] = trainer.publisher.label
-        if spec.transfer == "broadcast":
-            wcfg = WeightsConfig(interval=1, keep_last=2, transfer="broadcast", broadcast=BroadcastConfig(
-                host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
-                init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s))
+        if spec.transfer != "filesystem":  # the publisher of the mode, (re)built once the server is healthy
+            group = BroadcastConfig(host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
+                                    init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s
+                                    ) if transfer_mode(spec.transfer).weight_group else BroadcastConfig()
+            wcfg = WeightsConfig(interval=1, keep_last=2, transfer=spec.transfer, shared_timeout_s=spec.timeout_s,
+                                 broadcast=group)
             trainer.publisher.close()
             t = time.perf_counter()
-            trainer.publisher = WeightPublisher(wcfg, trainer.policy, trainer.tokenizer, run_dir,
-                                                trainer.export_dtype, trainer.dist, trainer.device)
-            formation_s = time.perf_counter() - t
+            source = PolicyWeights(trainer.policy, trainer.tokenizer, trainer.export_dtype, trainer.dist,
+                                   trainer.device)
+            trainer.publisher = publisher = build_publisher(wcfg, source, run_dir)
+            built_s = time.perf_counter() - t
             trainer.parts = dataclasses.replace(trainer.parts, weights=wcfg)
-            publisher = trainer.publisher
             result["publisher_label"] = publisher.label
-            if publisher.mode == "broadcast":
-                result["group_formation_s"] = formation_s
-                result["group_backend"] = publisher.sender.backend if publisher.sender else None
+        if transfer_mode(spec.transfer).weight_group:
+            if publisher.sending:
+                result["group_formation_s"] = built_s
+                result["group_backend"] = getattr(publisher, "backend", None)
             else:
-                result["fallback_s"] = formation_s
-                result["fallback_reason"] = publisher.label.removeprefix("filesystem (fallback: ").removesuffix(")")
+                result["fallback_s"] = built_s
+                result["fallback_reason"] = publisher.fallback
             result["server_receiver"] = _receiver_log(server.log_path, wait_s=3.0)
             save()
 
@@ -234,8 +232,8 @@ def run_child(args: argparse.Namespace) -> int:
             t0 = time.perf_counter()
             trainer.finish_step(step, metrics, {"next_rollout_step": step}, is_last=False)
             t_published = time.perf_counter()
-            path = transport.weights_dir(run_dir, step)
-            if not transport.is_stable(path):
+            path = snapshots.weights_dir(run_dir, step)
+            if not snapshots.is_stable(path):
                 raise RuntimeError(f"finish_step returned without a STABLE {path}")
             response = http.post("/admin/update_weights", json={"path": str(path), "step": step},
                                  headers={"Authorization": f"Bearer {token}"})
@@ -245,7 +243,7 @@ def run_child(args: argparse.Namespace) -> int:
             state = response.json()
             greedy = _greedy(http)
             answer = [greedy["token_ids"], greedy["first_logprobs"]]
-            marker = transport.broadcast_marker(path)
+            marker = snapshots.marker(path, snapshots.BROADCAST)
             record = {
                 "step": step,
                 "e2e_s": t_served - t0,
@@ -254,7 +252,7 @@ def run_child(args: argparse.Namespace) -> int:
                 "server_policy_version": state["policy_version"],
                 "weight_transfer": metrics.get("weight_transfer"),
                 "backend": marker.get("backend") if marker else "shared" if spec.transfer == "shared" else "filesystem",
-                "has_files": transport.has_files(path),
+                "has_files": snapshots.has_files(path),
                 **{k: metrics[k] for k in ("weights_export_s", "weights_broadcast_s", "weights_broadcast_bytes",
                                            "weights_broadcast_buckets", "weights_shared_s", "weights_shared_wait_s")
                    if k in metrics},
@@ -396,7 +394,7 @@ def run_probe_rank(args: argparse.Namespace) -> int:
 
 def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
     from primerl.launch.local import free_port
-    from primerl.launch.processes import _die_with_parent, child_environment
+    from primerl.launch.processes import _child_setup, child_environment
 
     work.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
@@ -410,7 +408,7 @@ def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
             [sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port",
              str(port), "--probe-timeout-s", str(max(5.0, limit_s / 3))],
             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent))  # noqa: PLW1509 - started from the main thread
+            preexec_fn=_child_setup))  # noqa: PLW1509 - started from the main thread
     timed_out = False
     deadline = time.monotonic() + limit_s
     for p in procs:
@@ -449,7 +447,7 @@ def _kill_group(pid: int) -> None:
 
 def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, limit_s: float,
              gpus: list[str]) -> dict[str, Any]:
-    from primerl.launch.processes import _die_with_parent  # SIGTERM to the child when this process dies
+    from primerl.launch.processes import _child_setup  # SIGTERM to the child when this process dies
 
     # the forced-nccl mode measures the filesystem fallback: two versions show it, the time goes to the other modes
     repeats = min(args.repeats, 2) if mode == "broadcast_nccl_same_gpu" else args.repeats
@@ -464,7 +462,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
     with open(log_path, "wb") as log:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - started from the main thread
+                                 preexec_fn=_child_setup)  # noqa: PLW1509 - started from the main thread
         try:
             child.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
@@ -643,12 +641,12 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "P4 weight-update latency: trainer has version k -> inference server serves version k",
         "what": "e2e_s per version: from the end of the trainer's optimizer step (device synchronised) through "
-                "Trainer.finish_step (WeightPublisher: full export, or broadcast + marker) to the answer of POST "
-                "/admin/update_weights {path, step} (the orchestrator's call; its polling interval is not included). "
-                "Then a greedy /inference/v1/generate request shows the version that answers. bytes_per_s = "
+                "Trainer.finish_step (the publisher: full export, shared buffer, or broadcast + marker) to the answer "
+                "of POST /admin/update_weights {path, step} (the orchestrator's call; its polling interval is not "
+                "included). Then a greedy /inference/v1/generate request shows the version that answers. bytes_per_s = "
                 "model_bytes / median e2e_s.",
         "driver": "per mode a child process acting as trainer rank 0 runs the real primerl.trainer.core.Trainer "
-                  "(step on fake RL data, then finish_step -> WeightPublisher.publish), not the `primerl trainer` "
+                  "(step on fake RL data, then finish_step -> Publisher.publish), not the `primerl trainer` "
                   "CLI loop, so that every version's start time is exact and the next version waits until the "
                   "server serves this one; the server is the real `primerl inference` process (engine hf). For "
                   "broadcast modes the publisher is (re)built after the server is healthy.",

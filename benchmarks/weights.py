@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
     from primerl.trainer.weights import export_weights
-    from primerl.transport import weights as transport
+    from primerl.transport import snapshots
 
     with tempfile.TemporaryDirectory(prefix="p4-") as tmp:
         tmp = Path(tmp)
@@ -75,9 +75,9 @@ def main(argv: list[str] | None = None) -> int:
         for step in range(1, args.repeats + 1):
             start = time.perf_counter()
             path = export_weights(trainer.policy, trainer.tokenizer, run_dir, step, trainer.export_dtype, trainer.dist)
-            assert transport.is_stable(path)
+            assert snapshots.is_stable(path)
             times.append(time.perf_counter() - start)
-        num_bytes = json.loads((path / transport.STABLE).read_text())["num_bytes"]
+        num_bytes = json.loads((path / snapshots.STABLE).read_text())["num_bytes"]
         device = torch.cuda.get_device_name() if trainer.device.type == "cuda" else "cpu"
         export_s = statistics.median(times)
         result = {

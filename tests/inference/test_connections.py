@@ -246,10 +246,10 @@ def test_retries_ride_out_dropped_connections_and_then_name_the_server():
 def test_the_servers_connections_send_without_waiting_for_acks():
     """The server's listening socket leads asyncio to set TCP_NODELAY on every connection it accepts (otherwise each
     response body over a kept-alive connection waits for the client's delayed ACK)."""
-    from primerl.inference.server import _listen
+    from primerl.inference.server import listen
 
     async def nodelay_of_an_accepted_connection() -> int:
-        listener = _listen("127.0.0.1", 0)
+        listener = listen("127.0.0.1", 0)
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
 
         async def on_connect(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -12,7 +12,7 @@ import torch
 from openai import OpenAI
 from server_process import start_server
 
-from primerl.transport import weights as wt
+from primerl.transport import snapshots
 from primerl.transport.broadcast import BroadcastSender, TensorSpec, WeightTransferError, plan_buckets
 
 HELLO = [{"role": "user", "content": "Say something."}]
@@ -45,9 +45,9 @@ def send(sender: BroadcastSender, step: int, tensors: dict[str, torch.Tensor]) -
 
 
 def marker_dir(run: Path, step: int) -> Path:
-    staged = wt.staging_dir(run, step)
-    wt.write_broadcast_marker(staged, {"step": step, "transfer_id": f"test-{step}"})
-    return wt.publish(staged, run, step)
+    staged = snapshots.staging_dir(run, step)
+    snapshots.write_marker(staged, snapshots.BROADCAST, {"step": step, "transfer_id": f"test-{step}"})
+    return snapshots.publish(staged, run, step)
 
 
 def test_server_applies_a_broadcast_and_samples_like_the_same_weights_from_disk(

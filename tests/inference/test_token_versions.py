@@ -12,10 +12,11 @@ from renderers.client import _parse_completion_logprobs
 from test_engine import perturbed_weights
 
 from primerl.config.inference import InferenceConfig
+from primerl.inference.admin import Admin
+from primerl.inference.completions import Completions
 from primerl.inference.engines.base import TokenEvent
 from primerl.inference.engines.hf import HFEngine
 from primerl.inference.protocol import GenerateRequest, UpdateWeightsRequest
-from primerl.inference.server import InferenceServer
 from primerl.orchestrator.versions import TokenVersionLedger, completion_key, segments
 
 MAX_TOKENS = 256
@@ -47,7 +48,8 @@ def test_an_update_mid_completion_splits_its_tokens_between_versions(tiny_model_
 
     async def main() -> dict:
         engine = HFEngine(tiny_model_dir, model_name="tiny", max_batch_size=4, decode_steps=1)
-        server = InferenceServer(engine, InferenceConfig(admin_token="test-token", served_model_name="tiny"))
+        cfg = InferenceConfig(admin_token="test-token", served_model_name="tiny")
+        completions, admin = Completions(engine, cfg), Admin(engine, cfg)
         await engine.start()
         try:
             first_token = tap_first_token(engine)
@@ -55,10 +57,10 @@ def test_an_update_mid_completion_splits_its_tokens_between_versions(tiny_model_
                 model="tiny", token_ids=[1, 17, 45, 300],
                 sampling_params={"max_tokens": MAX_TOKENS, "temperature": 1.0, "ignore_eos": True, "logprobs": 1},
             )
-            answer = asyncio.create_task(server.generate(request))
+            answer = asyncio.create_task(completions.generate(request))
             await first_token.wait()
             await engine.pause()  # between two decode steps, with tokens of version 0 already sampled
-            await server.update_weights(UpdateWeightsRequest(path=str(new_weights), step=1))
+            await admin.update_weights(UpdateWeightsRequest(path=str(new_weights), step=1))
             await engine.resume()
             return json.loads((await answer).body)
         finally:

@@ -16,7 +16,7 @@ from pathlib import Path
 from conftest import REPO, batch_meta, processes_of_run, rl_command, wait_for
 
 from primerl.monitor import read_metrics
-from primerl.transport import weights
+from primerl.transport import snapshots
 
 MAX_STEPS = 4
 
@@ -100,7 +100,7 @@ def run_drill(drill: Drill, run: Path, uninterrupted: Path | None = None) -> dic
     resumed_from = int(match.group(1)) if match else 0
     trainer_steps = [r["step"] for r in read_metrics(run, "trainer")]
     batch_steps = [r["step"] for r in read_metrics(run, "orchestrator")]
-    finished = resumed.returncode == 0 and weights.is_stable(weights.weights_dir(run, MAX_STEPS))
+    finished = resumed.returncode == 0 and snapshots.is_stable(snapshots.weights_dir(run, MAX_STEPS))
     return {
         "fault": f"SIGKILL {drill.process}",
         "point": drill.point,

@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import batch_meta, processes_of_run, records, run_rl, start_rl, wait_for
 
+from primerl.transport import snapshots
 from primerl.transport.checkpoints import latest_trainer_step
-from primerl.transport.shared import marker as shared_marker
-from primerl.transport.weights import broadcast_marker, has_files, shared_segment_dir, stable_steps, weights_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")]
 
@@ -32,7 +31,7 @@ def test_rl_runs_three_steps_one_step_off_policy(tmp_path):
     # one numbering: the orchestrator's record of rollouts/step_n is logged under the training step n + 1
     assert [(r["step"], r["rollout_step"]) for r in records(run, "orchestrator")] == [(1, 0), (2, 1), (3, 2)]
     assert [(r["step"], r["rollout_step"]) for r in records(run, "trainer")] == [(1, 0), (2, 1), (3, 2)]
-    assert stable_steps(run) == [3]  # a finished run keeps its last snapshot only
+    assert snapshots.stable_steps(run) == [3]  # a finished run keeps its last snapshot only
     assert f"rl: removed the older weight snapshots [1, 2]; the trained model is {run / 'weights' / 'step_3'}" \
         in result.stdout
     for name in ("inference", "orchestrator", "trainer"):
@@ -83,7 +82,7 @@ def test_resume_after_the_launcher_is_killed_continues_from_the_checkpoint(tmp_p
     assert resumed_orchestrator and resumed_orchestrator[-1]["step"] == last
     assert f"(resumed at step {checkpoint})" in result.stdout
     assert "resumed from" in (run / "logs" / "trainer.log").read_text()
-    assert stable_steps(run)[-1] == last
+    assert snapshots.stable_steps(run)[-1] == last
 
 
 def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
@@ -96,7 +95,7 @@ def test_a_dead_trainer_stops_the_run_with_its_log_tail(tmp_path):
         pids = [pid for pid, cmd in processes_of_run(run).items() if "trainer.toml" in cmd]
         return pids[0] if pids else None
 
-    segment = shared_segment_dir(run) / "segment.json"
+    segment = snapshots.shared_segment_dir(run) / "segment.json"
     wait_for(lambda: trainer_pid() is not None and segment.is_file(), timeout=300, what="the trainer's buffer",
              proc=proc)
     buffer = Path(json.loads(segment.read_text())["path"])
@@ -115,11 +114,12 @@ def test_rl_with_the_weight_broadcast(tmp_path):
     result = run_rl(run, "--weight_transfer=broadcast", "--max_async_steps=0", "--trainer.ckpt.interval=2",
                     "--keep_weights_after_run=0")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert stable_steps(run) == [1, 2, 3]
+    assert snapshots.stable_steps(run) == [1, 2, 3]
     # step 1: a marker only; step 2: a marker, and full weights as a checkpoint step; step 3, the last: full weights
-    assert broadcast_marker(weights_dir(run, 1)) and not has_files(weights_dir(run, 1))
-    assert broadcast_marker(weights_dir(run, 2)) and has_files(weights_dir(run, 2))
-    assert broadcast_marker(weights_dir(run, 3)) is None and has_files(weights_dir(run, 3))
+    step_1, step_2, step_3 = (snapshots.weights_dir(run, step) for step in (1, 2, 3))
+    assert snapshots.marker(step_1, snapshots.BROADCAST) and not snapshots.has_files(step_1)
+    assert snapshots.marker(step_2, snapshots.BROADCAST) and snapshots.has_files(step_2)
+    assert snapshots.marker(step_3, snapshots.BROADCAST) is None and snapshots.has_files(step_3)
     trainer = records(run, "trainer")
     assert [r["weight_transfer"] for r in trainer] == ["broadcast"] * 3
     assert all(r["weights_broadcast_bytes"] > 0 and r["weights_broadcast_buckets"] >= 1 for r in trainer[:2])
@@ -139,10 +139,11 @@ def test_rl_with_shared_weights(tmp_path):
     result = run_rl(run, "--weight_transfer=shared", "--max_async_steps=0", "--trainer.ckpt.interval=2",
                     "--keep_weights_after_run=0")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert stable_steps(run) == [1, 2, 3]
-    assert shared_marker(weights_dir(run, 1)) and not has_files(weights_dir(run, 1))
-    assert shared_marker(weights_dir(run, 2)) is None and has_files(weights_dir(run, 2))
-    assert shared_marker(weights_dir(run, 3)) is None and has_files(weights_dir(run, 3))
+    assert snapshots.stable_steps(run) == [1, 2, 3]
+    step_1, step_2, step_3 = (snapshots.weights_dir(run, step) for step in (1, 2, 3))
+    assert snapshots.marker(step_1, snapshots.SHARED) and not snapshots.has_files(step_1)
+    assert snapshots.marker(step_2, snapshots.SHARED) is None and snapshots.has_files(step_2)
+    assert snapshots.marker(step_3, snapshots.SHARED) is None and snapshots.has_files(step_3)
     trainer = records(run, "trainer")
     assert [r["weight_transfer"] for r in trainer] == ["shared"] * 3
     assert trainer[0]["weights_shared_s"] > 0 and "weights_export_s" not in trainer[0]
@@ -150,7 +151,7 @@ def test_rl_with_shared_weights(tmp_path):
         assert set(versions(run, step)) == {(step, step)}
     inference_log = (run / "logs" / "inference.log").read_text()
     assert "copied step 1 from the trainer's shared buffer" in inference_log
-    assert not (shared_segment_dir(run) / "segment.json").exists()  # the trainer removed its buffer and this
+    assert not (snapshots.shared_segment_dir(run) / "segment.json").exists()  # the trainer removed its buffer and this
     assert "removed the trainer's shared weight buffer" not in result.stderr
     assert not processes_of_run(run)
 
@@ -166,7 +167,8 @@ def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.communicate()
     wait_for(lambda: not processes_of_run(run), timeout=60, what="the processes to die with their launcher")
-    before = {step: broadcast_marker(weights_dir(run, step)) for step in stable_steps(run)}
+    before = {step: snapshots.marker(snapshots.weights_dir(run, step), snapshots.BROADCAST)
+              for step in snapshots.stable_steps(run)}
     steps = max(len(records(run, "trainer")), len(records(run, "orchestrator"))) + 3
     assert steps < 50
 
@@ -190,5 +192,5 @@ def test_broadcast_run_resumes_after_the_launcher_is_killed(tmp_path):
     assert f"received step {checkpoint + 1} by broadcast" in restarted, restarted[-3000:]
     for step in range(steps):
         assert min(first for first, _ in versions(run, step)) >= step - 1, (step, versions(run, step))
-    assert stable_steps(run)[-1] == steps and has_files(weights_dir(run, steps))
+    assert snapshots.stable_steps(run)[-1] == steps and snapshots.has_files(snapshots.weights_dir(run, steps))
     assert records(run, "trainer")[-1]["weight_transfer"] == "broadcast"

@@ -15,7 +15,7 @@ from conftest import REPO, processes_of_run, rl_command, wait_for
 
 from primerl.launch.local import _forget_what_is_redone
 from primerl.monitor import read_metrics
-from primerl.transport import weights
+from primerl.transport import snapshots
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -63,9 +63,9 @@ def test_an_unwritable_run_dir_is_one_line_and_exit_2(tmp_path, where):
 
 
 def _snapshot(run: Path, step: int) -> None:
-    staged = weights.staging_dir(run, step)
+    staged = snapshots.staging_dir(run, step)
     (staged / "model.safetensors").write_bytes(b"weights")
-    weights.publish(staged, run, step)
+    snapshots.publish(staged, run, step)
 
 
 def test_a_resume_forgets_what_is_trained_again(tmp_path, capsys):
@@ -84,7 +84,7 @@ def test_a_resume_forgets_what_is_trained_again(tmp_path, capsys):
 
     _forget_what_is_redone(run, sys.stdout)
 
-    assert weights.stable_steps(run) == [1, 2, 3]
+    assert snapshots.stable_steps(run) == [1, 2, 3]
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3"]
     out = capsys.readouterr().out
     assert f"resuming the trainer from {run / 'checkpoints' / 'step_3'} (step 3)" in out

@@ -15,7 +15,7 @@ from trainer_helpers import read_metrics, write_fixed_batches
 from primerl.config import load
 from primerl.config.trainer import TrainerConfig
 from primerl.trainer.rl import train
-from primerl.transport import weights as wt
+from primerl.transport import snapshots
 
 pytestmark = pytest.mark.integration
 
@@ -55,8 +55,8 @@ def test_trains_on_rollouts_and_publishes_weights(tmp_path):
         assert m["num_loss_tokens"] > 0 and m["loss"] == m["loss"]
         assert 0 <= m["masked_fraction"] <= 1 and m["mismatch_kl"] >= 0 and m["entropy"] > 0
         assert m["wait_s"] >= 0 and m["tokens_per_s"] > 0
-    assert wt.stable_steps(tmp_path) == [2, 3]  # keep_last = 2
-    snapshot = wt.weights_dir(tmp_path, 3)
+    assert snapshots.stable_steps(tmp_path) == [2, 3]  # keep_last = 2
+    snapshot = snapshots.weights_dir(tmp_path, 3)
     from transformers import AutoModelForCausalLM
 
     from primerl.models import resolve_model
@@ -83,7 +83,7 @@ def test_warm_up_before_the_first_batch_changes_no_step(tmp_path, caplog):
     for step in (1, 2):
         assert [got[step][k] for k in ("loss", "grad_norm", "entropy")] == [
             expected[step][k] for k in ("loss", "grad_norm", "entropy")], step
-    a, b = (load_file(wt.weights_dir(d, 2) / "model.safetensors") for d in (plain, warmed))
+    a, b = (load_file(snapshots.weights_dir(d, 2) / "model.safetensors") for d in (plain, warmed))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -152,8 +152,8 @@ def test_loss_is_normalised_over_the_whole_step(tmp_path):
     assert a["num_loss_tokens"] == b["num_loss_tokens"]
     for key in ("loss", "grad_norm", "entropy", "mismatch_kl", "masked_fraction"):
         assert a[key] == pytest.approx(b[key], rel=1e-5), key
-    wa = load_file(wt.weights_dir(tmp_path / "a", 1) / "model.safetensors")
-    wb = load_file(wt.weights_dir(tmp_path / "b", 1) / "model.safetensors")
+    wa = load_file(snapshots.weights_dir(tmp_path / "a", 1) / "model.safetensors")
+    wb = load_file(snapshots.weights_dir(tmp_path / "b", 1) / "model.safetensors")
     for name in wa:  # Adam divides by sqrt(v): summation-order noise on near-zero grads shows at ~1e-6 (lr 1e-3)
         torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-5)
 
@@ -163,9 +163,9 @@ def test_lora_trains_adapters_and_exports_merged_weights(tmp_path):
     train(config(tmp_path, "--train.max_steps", "2", "--lora.enabled", "--lora.rank", "4"))
     from transformers import AutoModelForCausalLM
 
-    state = load_file(wt.weights_dir(tmp_path, 2) / "model.safetensors")
+    state = load_file(snapshots.weights_dir(tmp_path, 2) / "model.safetensors")
     assert not [k for k in state if "lora" in k or "base_layer" in k]
-    reloaded = AutoModelForCausalLM.from_pretrained(wt.weights_dir(tmp_path, 2))
+    reloaded = AutoModelForCausalLM.from_pretrained(snapshots.weights_dir(tmp_path, 2))
     from primerl.models import resolve_model
 
     initial = AutoModelForCausalLM.from_pretrained(resolve_model("tiny"))

@@ -100,7 +100,7 @@ def test_transport_is_torch_free():
     import subprocess
     import sys
 
-    code = "import sys, primerl.transport.rollouts, primerl.transport.weights; assert 'torch' not in sys.modules"
+    code = "import sys, primerl.transport.rollouts, primerl.transport.snapshots; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -13,7 +13,7 @@ from trainer_helpers import read_metrics
 from primerl.config import load
 from primerl.config.sft import SFTConfig, SFTDataConfig
 from primerl.trainer.sft import fake_conversations, load_conversations, tokenize_conversation, train
-from primerl.transport import weights as wt
+from primerl.transport import snapshots
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -105,7 +105,7 @@ def test_sft_lowers_the_loss_on_a_fixed_dataset(tmp_path):
     last = (metrics[15]["loss"] + metrics[16]["loss"]) / 2
     assert last < 0.7 * first, (first, last)
     assert metrics[1]["epoch"] == 0 and metrics[16]["epoch"] >= 1  # the small set is seen more than once
-    assert wt.stable_steps(tmp_path / "run") == [16]
+    assert snapshots.stable_steps(tmp_path / "run") == [16]
 
 
 def run_cli(args, run_dir):
@@ -120,7 +120,7 @@ def test_fake_sft_config_runs_on_smollm2(tmp_path):
     run_cli(["sft", "@", "configs/debug/fake/sft.toml"], tmp_path)
     metrics = read_metrics(tmp_path, source="sft")
     assert sorted(metrics) == [1, 2, 3] and all(m["loss"] > 0 for m in metrics.values())
-    assert wt.stable_steps(tmp_path) == [3]
+    assert snapshots.stable_steps(tmp_path) == [3]
 
 
 @pytest.mark.slow
@@ -129,4 +129,4 @@ def test_fake_rl_config_runs_on_smollm2(tmp_path):
     metrics = read_metrics(tmp_path)
     assert sorted(metrics) == [1, 2, 3]
     assert metrics[1]["mismatch_kl"] == pytest.approx(0, abs=1e-6)  # fake data is on-policy at the first step
-    assert wt.stable_steps(tmp_path) == [3]
+    assert snapshots.stable_steps(tmp_path) == [3]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from primerl.transport import shared
-from primerl.transport.weights import is_stable
+from primerl.transport import shared, snapshots
 
 
 def entries() -> list[tuple[str, tuple[int, ...]]]:
@@ -27,7 +26,8 @@ def test_reader_sees_what_the_trainer_wrote_and_the_trainer_waits_for_the_confir
         values = {name: torch.randn(shape) for name, shape in entries()}
         segment.fill(values)
         path = segment.publish(3)
-        assert is_stable(path) and shared.marker(path) == {"step": 3, "segment_id": segment.segment_id}
+        assert snapshots.is_stable(path)
+        assert snapshots.marker(path, snapshots.SHARED) == {"step": 3, "segment_id": segment.segment_id}
         views = shared.SharedReader(torch.device("cpu")).tensors(path, tmp_path)
         for name, value in values.items():
             assert views[name].dtype == torch.bfloat16 and torch.equal(views[name], value.to(torch.bfloat16))
@@ -60,12 +60,10 @@ def test_a_buffer_left_by_a_killed_trainer_is_removed(tmp_path):
     """A trainer killed before it closed its buffer leaves the file in shared memory: the next trainer of the run
     removes it when it makes its own, and `release_shared_buffer` (what rl calls once its processes stopped) removes
     the one in use."""
-    from primerl.transport.weights import release_shared_buffer
-
     killed = shared.SharedSegment(tmp_path, entries(), torch.float32, torch.device("cpu"))  # never closed
     left = killed.shm_path
     assert left is not None and left.exists()
     restarted = shared.SharedSegment(tmp_path, entries(), torch.float32, torch.device("cpu"))
     assert not left.exists() and restarted.shm_path.exists()
-    assert release_shared_buffer(tmp_path) == restarted.shm_path and not restarted.shm_path.exists()
-    assert release_shared_buffer(tmp_path) is None
+    assert snapshots.release_shared_buffer(tmp_path) == restarted.shm_path and not restarted.shm_path.exists()
+    assert snapshots.release_shared_buffer(tmp_path) is None

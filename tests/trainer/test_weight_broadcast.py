@@ -21,7 +21,7 @@ from trainer_helpers import read_metrics, write_fixed_batches
 from primerl.config import load
 from primerl.config.trainer import TrainerConfig
 from primerl.trainer.rl import train
-from primerl.transport import weights as wt
+from primerl.transport import snapshots
 from primerl.transport.broadcast import (
     ALIGN_BYTES,
     BroadcastSender,
@@ -173,33 +173,34 @@ def test_trainer_falls_back_to_the_filesystem_when_no_receiver_joins(tmp_path: P
         "--weights.transfer", "broadcast", "--weights.broadcast.port", str(port),
         "--weights.broadcast.init_timeout_s", "2",
     ])
-    with caplog.at_level(logging.WARNING, logger="primerl.trainer.weights"):
+    with caplog.at_level(logging.WARNING, logger="primerl.transport.weight_transfer"):
         train(cfg)
     assert "WEIGHT BROADCAST UNAVAILABLE" in caplog.text
     metrics = read_metrics(tmp_path)
     for step in (1, 2):
         assert metrics[step]["weight_transfer"].startswith(
             "filesystem (fallback: receiver rank(s) [1] of 1 did not join within 2s"), metrics[step]
-        path = wt.weights_dir(tmp_path, step)
-        assert wt.is_stable(path) and wt.has_files(path) and wt.broadcast_marker(path) is None
+        path = snapshots.weights_dir(tmp_path, step)
+        assert snapshots.is_stable(path) and snapshots.has_files(path)
+        assert snapshots.marker(path, snapshots.BROADCAST) is None
 
 
 def test_a_resumed_broadcast_run_drops_newer_snapshots_and_writes_its_checkpoint_version(tmp_path: Path, port: int):
     base = ["--model.name", "tiny", "--data.fake", "--run_dir", str(tmp_path), "--train.max_steps", "2",
             "--ckpt.interval", "1"]
     train(load(TrainerConfig, base)[0])
-    trained = load_file(wt.weights_dir(tmp_path, 2) / "model.safetensors")
+    trained = load_file(snapshots.weights_dir(tmp_path, 2) / "model.safetensors")
     for step in (2, 3):  # what a broadcast run can leave behind: versions that only the dead server held
-        shutil.rmtree(wt.weights_dir(tmp_path, step), ignore_errors=True)
-        staged = wt.staging_dir(tmp_path, step)
-        wt.write_broadcast_marker(staged, {"step": step, "transfer_id": "gone"})
-        wt.publish(staged, tmp_path, step)
+        shutil.rmtree(snapshots.weights_dir(tmp_path, step), ignore_errors=True)
+        staged = snapshots.staging_dir(tmp_path, step)
+        snapshots.write_marker(staged, snapshots.BROADCAST, {"step": step, "transfer_id": "gone"})
+        snapshots.publish(staged, tmp_path, step)
 
     train(load(TrainerConfig, [*base, "--ckpt.resume", "latest", "--weights.transfer", "broadcast",
                                "--weights.broadcast.port", str(port), "--weights.broadcast.init_timeout_s", "1"])[0])
-    assert wt.stable_steps(tmp_path) == [1, 2]  # step 3 will be trained (and sent) again
-    rewritten = wt.weights_dir(tmp_path, 2)
-    assert wt.has_files(rewritten) and wt.broadcast_marker(rewritten) is None
+    assert snapshots.stable_steps(tmp_path) == [1, 2]  # step 3 will be trained (and sent) again
+    rewritten = snapshots.weights_dir(tmp_path, 2)
+    assert snapshots.has_files(rewritten) and snapshots.marker(rewritten, snapshots.BROADCAST) is None
     again = load_file(rewritten / "model.safetensors")  # the checkpoint's weights, not the initial ones
     assert sorted(again) == sorted(trained) and all(torch.equal(again[k], trained[k]) for k in trained)
 
@@ -225,13 +226,14 @@ def test_two_rank_fsdp_trainer_broadcasts_exactly_what_it_exports(tmp_path: Path
     assert peer.returncode == 0, out
 
     # step 1: broadcast only (a marker); step 2: broadcast and, as a checkpoint step, written in full; step 3: last
-    assert wt.broadcast_marker(wt.weights_dir(run, 1)) and not wt.has_files(wt.weights_dir(run, 1))
-    marker = wt.broadcast_marker(wt.weights_dir(run, 2))
-    assert marker and wt.has_files(wt.weights_dir(run, 2))
-    assert wt.broadcast_marker(wt.weights_dir(run, 3)) is None and wt.has_files(wt.weights_dir(run, 3))
+    step_1, step_2, step_3 = (snapshots.weights_dir(run, step) for step in (1, 2, 3))
+    assert snapshots.marker(step_1, snapshots.BROADCAST) and not snapshots.has_files(step_1)
+    marker = snapshots.marker(step_2, snapshots.BROADCAST)
+    assert marker and snapshots.has_files(step_2)
+    assert snapshots.marker(step_3, snapshots.BROADCAST) is None and snapshots.has_files(step_3)
 
     received = load_file(received_dir / "step_2.safetensors")
-    exported = load_file(wt.weights_dir(run, 2) / "model.safetensors")  # gathered by get_model_state_dict
+    exported = load_file(snapshots.weights_dir(run, 2) / "model.safetensors")  # gathered by get_model_state_dict
     assert sorted(received) == sorted(exported)
     for name, tensor in exported.items():
         assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor), name

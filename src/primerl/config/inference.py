@@ -9,6 +9,7 @@ from pydantic import Field, SecretStr, model_validator
 
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig
+from primerl.transport.weight_transfer.modes import WeightTransfer, transfer_mode
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -98,7 +99,7 @@ class InferenceConfig(ProcessConfig):
     )
     log_level: LogLevel = Field("info", description="debug | info | warning | error")
     vllm: VLLMSection = Field(default_factory=VLLMSection, description="vLLM engine options")
-    weight_transfer: Literal["filesystem", "broadcast", "shared"] = Field(
+    weight_transfer: WeightTransfer = Field(
         "filesystem",
         description="broadcast = join the trainer's weight group at start and apply every version it sends; "
         "/admin/update_weights then confirms them; shared = versions with a SHARED marker are copied from the "
@@ -109,7 +110,7 @@ class InferenceConfig(ProcessConfig):
     )
 
     @model_validator(mode="after")
-    def _broadcast_needs_port(self) -> InferenceConfig:
-        if self.weight_transfer == "broadcast" and self.weight_broadcast.port == 0:
-            raise ValueError("weight_transfer = 'broadcast' needs weight_broadcast.port (the trainer's weight store)")
+    def _group_needs_port(self) -> InferenceConfig:
+        transfer_mode(self.weight_transfer).check_group_port(self.weight_broadcast.port, "weight_transfer",
+                                                             "weight_broadcast.port")
         return self

@@ -22,7 +22,7 @@ import copy
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import pydantic
 from pydantic import Field, create_model, model_validator
@@ -34,6 +34,7 @@ from primerl.config.loader import FILE_LAYER
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.config.trainer import TrainerConfig
 from primerl.ports import free_port
+from primerl.transport.weight_transfer.modes import WeightTransfer, transfer_mode
 
 # Dotted keys of each process config that the rl config sets from its top level (or the launcher sets).
 INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
@@ -134,7 +135,7 @@ class RLConfig(ProcessConfig):
     )
     seq_len: int = Field(2048, ge=8, description="tokens per packed training row")
     resume: bool = Field(False, description="continue the run in output_dir from its newest checkpoints")
-    weight_transfer: Literal["filesystem", "broadcast", "shared"] = Field(
+    weight_transfer: WeightTransfer = Field(
         "filesystem",
         description="how new weights reach inference: filesystem = full snapshots under weights/; broadcast = a "
         "collective group from trainer rank 0 to the server (trainer.weights.broadcast sets it up); shared = the "
@@ -165,14 +166,9 @@ class RLConfig(ProcessConfig):
         return self
 
     @model_validator(mode="after")
-    def _shared_needs_one_inference_gpu(self) -> RLConfig:
-        if (self.weight_transfer == "shared" and self.inference.engine == "vllm"
-                and self.inference.vllm.tensor_parallel_size > 1):
-            raise ValueError(
-                f"weight_transfer = 'shared' with vLLM needs inference.vllm.tensor_parallel_size = 1 (the trainer's "
-                f"buffer lives on one GPU), not {self.inference.vllm.tensor_parallel_size}; use 'broadcast' to feed "
-                "a sharded server"
-            )
+    def _transfer_feeds_the_server(self) -> RLConfig:
+        if self.inference.engine == "vllm":
+            transfer_mode(self.weight_transfer).check_sharded_server(self.inference.vllm.tensor_parallel_size)
         return self
 
     @model_validator(mode="after")
@@ -196,15 +192,8 @@ class RLConfig(ProcessConfig):
                                  "set devices.trainer ([] trains on the CPU) or give devices.inference fewer GPUs")
             trainer = left or list(inference)  # one GPU only: the trainer shares it (colocated)
         self._check_devices(inference, trainer, num_gpus)
-        devices = DeviceAssignment(list(inference), list(trainer))
-        on_cpu = not devices.inference and not devices.trainer
-        if self.weight_transfer == "shared" and not (on_cpu or devices.trainer[:1] == devices.inference[:1]):
-            raise ValueError(
-                f"weight_transfer = 'shared' needs the server and trainer rank 0 on one device, but inference has "
-                f"GPUs {devices.inference or 'none (CPU)'} and the trainer {devices.trainer or 'none (CPU)'}; "
-                "use 'broadcast' or 'filesystem' for separate devices"
-            )
-        return devices
+        transfer_mode(self.weight_transfer).check_devices(inference, trainer)
+        return DeviceAssignment(list(inference), list(trainer))
 
     def with_devices(self, devices: DeviceAssignment) -> RLConfig:
         """This config with what the device assignment decides filled in before the process configs are built:
@@ -329,7 +318,7 @@ class RLConfig(ProcessConfig):
         count (one per vLLM tensor-parallel worker, one for the embedded engine) for the trainer."""
         inference["weight_transfer"] = trainer["weights"]["transfer"] = self.weight_transfer
         group = trainer["weights"]["broadcast"]
-        if self.weight_transfer != "broadcast":
+        if not transfer_mode(self.weight_transfer).weight_group:
             group["receivers"] = 1
             return
         group["port"] = group["port"] or broadcast_port or free_port(group["host"])

@@ -17,6 +17,7 @@ from primerl.config.trainer import (
     WeightsConfig,
     check_schedule,
 )
+from primerl.transport.weight_transfer.modes import transfer_mode
 
 
 class SFTDataConfig(Section):
@@ -56,6 +57,5 @@ class SFTConfig(ProcessConfig):
     @model_validator(mode="after")
     def _decay_needs_length(self) -> SFTConfig:
         check_schedule(self.scheduler, self.train)
-        if self.weights.transfer != "filesystem":
-            raise ValueError("SFT writes its weights to the filesystem: weights.transfer must be 'filesystem'")
+        transfer_mode(self.weights.transfer).check_sft()
         return self

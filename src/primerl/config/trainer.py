@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig, WandbConfig
+from primerl.transport.weight_transfer.modes import WeightTransfer, transfer_mode
 
 Attention = Literal["auto", "varlen", "flash_attention_2", "flex_attention", "sdpa", "eager"]
 
@@ -119,7 +120,7 @@ class WeightsConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype of the exported tensors; auto = the compute dtype"
     )
-    transfer: Literal["filesystem", "broadcast", "shared"] = Field(
+    transfer: WeightTransfer = Field(
         "filesystem",
         description="filesystem = full snapshots on disk; broadcast = send each version to inference over a "
         "collective group and publish a BROADCAST marker; shared = inference on the same device copies each version "
@@ -132,10 +133,8 @@ class WeightsConfig(Section):
     broadcast: BroadcastConfig = Field(default_factory=BroadcastConfig, description="the weight group (broadcast)")
 
     @model_validator(mode="after")
-    def _broadcast_needs_port(self) -> WeightsConfig:
-        if self.transfer == "broadcast" and self.broadcast.port == 0:
-            raise ValueError("weights.transfer = 'broadcast' needs weights.broadcast.port (the port inference "
-                             "connects to; rl picks one itself)")
+    def _group_needs_port(self) -> WeightsConfig:
+        transfer_mode(self.transfer).check_group_port(self.broadcast.port, "weights.transfer", "weights.broadcast.port")
         return self
 
 

@@ -41,8 +41,8 @@ from primerl.launch.processes import (
 )
 from primerl.monitor import METRICS_FILE, drop_records_after
 from primerl.ports import free_port
-from primerl.transport import checkpoints
-from primerl.transport import weights as weight_snapshots
+from primerl.transport import checkpoints, snapshots
+from primerl.transport.weight_transfer.modes import transfer_mode
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 EXIT_INTERRUPTED = 130
@@ -261,7 +261,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
         stop_all(processes, cfg.shutdown_grace_s)
-        if cfg.weight_transfer == "shared" and (left := weight_snapshots.release_shared_buffer(run_dir)):
+        if transfer_mode(cfg.weight_transfer).shared_memory and (left := snapshots.release_shared_buffer(run_dir)):
             print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
                   file=sys.stderr, flush=True)
         console.close()
@@ -300,9 +300,9 @@ def _drop_old_snapshots(cfg: RLConfig, stream) -> None:
     Every process has stopped, so nothing reads them any more."""
     if cfg.keep_weights_after_run == 0:
         return
-    if removed := weight_snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
+    if removed := snapshots.prune(cfg.output_dir, cfg.keep_weights_after_run):
         print(f"rl: removed the older weight snapshots {removed}; the trained model is "
-              f"{weight_snapshots.weights_dir(cfg.output_dir, weight_snapshots.stable_steps(cfg.output_dir)[-1])}",
+              f"{snapshots.weights_dir(cfg.output_dir, snapshots.stable_steps(cfg.output_dir)[-1])}",
               file=stream, flush=True)
 
 
@@ -312,8 +312,8 @@ def _forget_what_is_redone(run_dir: Path, stream) -> None:
     leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
     before any process starts, so no server can load the snapshots and no process writes metrics meanwhile."""
     step = checkpoints.latest_trainer_step(run_dir)
-    leftovers = weight_snapshots.remove_staging_leftovers(run_dir)
-    removed = weight_snapshots.remove_after(run_dir, step)
+    leftovers = snapshots.remove_staging_leftovers(run_dir)
+    removed = snapshots.remove_after(run_dir, step)
     records = drop_records_after(run_dir, "trainer", step)
     where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
     print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "

@@ -35,6 +35,7 @@ from primerl.config.loader import ConfigError, Layers, read_toml, validate
 from primerl.launch.images import PROJECT_ROOT
 from primerl.multicast import multicast_off
 from primerl.recipes.schema import Recipe, RecipeError, validate_stage
+from primerl.transport.weight_transfer.modes import Unsupported, transfer_mode
 
 ADMIN_TOKEN_FILE = "config/admin_token"
 IMAGE_PROJECT_DIR = "/opt/primerl"  # the project inside primerl's images (docker/*.Dockerfile WORKDIR)
@@ -228,9 +229,10 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
         cfg = validate_stage(recipe, "rl", run_dir=run_dir, overrides=(overrides or {}).get("rl"))
     except RecipeError as e:
         raise PlanError(str(e)) from None
-    if cfg.weight_transfer != "filesystem":
-        raise PlanError(f"rl.weight_transfer = {cfg.weight_transfer!r}: launch supports 'filesystem' (the run "
-                        "directory is shared); other transfers across hosts are not wired yet")
+    try:
+        transfer_mode(cfg.weight_transfer).check_hosts("rl.weight_transfer")
+    except Unsupported as e:
+        raise PlanError(str(e)) from None
 
     software = _software(recipe, deploy, gpus)
     recipe_on_hosts, files = recipe_path_on_hosts(recipe, software.project_dir)

@@ -45,7 +45,7 @@ from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
-from primerl.transport import weights
+from primerl.transport import snapshots
 
 log = logging.getLogger("primerl.orchestrator")
 
@@ -210,7 +210,7 @@ class PolicyTracker:
 
     async def load_newest(self) -> bool:
         """Load the newest STABLE snapshot if it is newer than what a server holds. True when one was loaded."""
-        newest = weights.latest_stable(self.run_dir)
+        newest = snapshots.latest_stable(self.run_dir)
         if newest is None or newest[0] <= self.version:
             return False
         return await self.pool.update_weights(*newest)

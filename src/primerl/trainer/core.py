@@ -38,7 +38,9 @@ from primerl.trainer.loss import LossOutput
 from primerl.trainer.metrics import attention_shape, peak_flops, peak_memory_gib, step_flops
 from primerl.trainer.model import Policy, PolicyOutput, build_policy, count_matmul_params
 from primerl.trainer.optim import build_optimizer, build_scheduler
-from primerl.trainer.weights import WeightPublisher
+from primerl.trainer.weights import PolicyWeights
+from primerl.transport.weight_transfer.base import Publisher
+from primerl.transport.weight_transfer.factory import build_publisher
 
 log = logging.getLogger(__name__)
 
@@ -151,7 +153,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     checkpointer: Checkpointer
-    publisher: WeightPublisher
+    publisher: Publisher
     metrics: MetricsLogger
 
     def __init__(self, parts: TrainerParts, source: str):
@@ -176,9 +178,8 @@ class Trainer:
         self.peak_flops = peak_flops(self.device, parts.train.peak_flops)
         self._log_setup()
         # last: with the broadcast transfer this waits for the inference receivers to join
-        self.publisher = WeightPublisher(
-            parts.weights, self.policy, self.tokenizer, parts.run_dir, self.export_dtype, self.dist, self.device
-        )
+        weights = PolicyWeights(self.policy, self.tokenizer, self.export_dtype, self.dist, self.device)
+        self.publisher = build_publisher(parts.weights, weights, parts.run_dir)
 
     def _log_setup(self) -> None:
         p = self.parts

@@ -15,7 +15,8 @@ Contract (docs/weights.md has the whole story):
   buckets; each receiver answers `done` once the weights are applied. Anything missing raises `WeightTransferError`
   naming what did not arrive and how long the sender waited. The collectives themselves time out after `timeout_s`.
 
-Imported only by trainer and inference code (it imports torch); `primerl.transport.weights` stays torch-free.
+Imported by trainer and inference code and the weight-transfer component (it imports torch);
+`primerl.transport.snapshots` stays torch-free.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from primerl.transport import weights as snapshots
+from primerl.transport import snapshots
 
 SHARED = snapshots.SHARED
 SEGMENT_JSON, SEGMENT_HANDLE = snapshots.SEGMENT_JSON, snapshots.SEGMENT_HANDLE
@@ -69,12 +69,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_bytes(data)
     os.replace(tmp, path)
-
-
-def marker(path: str | os.PathLike) -> dict | None:
-    """The `SHARED` marker of snapshot directory `path`, or None when it has none."""
-    file = Path(path) / SHARED
-    return json.loads(file.read_text()) if file.is_file() else None
 
 
 def read_applied(run_dir: str | os.PathLike) -> int | None:
@@ -150,10 +144,8 @@ class SharedSegment:
 
     def publish(self, step: int) -> Path:
         """Publish `weights/step_<step>/` as a marker directory pointing at the buffer."""
-        staged = snapshots.staging_dir(self.run_dir, step)
-        _write_atomic(staged / SHARED, json.dumps({"step": step, "segment_id": self.segment_id}).encode())
         self.written = step
-        return snapshots.publish(staged, self.run_dir, step)
+        return snapshots.publish_marker(self.run_dir, step, SHARED, {"step": step, "segment_id": self.segment_id})
 
     def close(self) -> None:
         """Remove this buffer and the description of it (not `release`: that removes whatever buffer the description
@@ -174,7 +166,7 @@ class SharedReader:
 
     def tensors(self, snapshot: str | os.PathLike, run_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
         """Views into the buffer that snapshot directory `snapshot` points at (no copy)."""
-        wanted = (marker(snapshot) or {}).get("segment_id")
+        wanted = (snapshots.marker(snapshot, SHARED) or {}).get("segment_id")
         if wanted is None:
             raise SharedWeightsError(f"{snapshot} has no {SHARED} marker")
         if wanted != self.segment_id:

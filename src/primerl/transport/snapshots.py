@@ -7,13 +7,14 @@ Contract:
 - A snapshot is complete when its `STABLE` marker exists. The writer builds the directory under a temporary name,
   renames it to `step_<k>`, then writes `STABLE` (itself temp + rename): a reader that sees `STABLE` sees every file.
 - `STABLE` holds JSON: {"step", "written_at" (unix seconds), "num_bytes"}.
-- With the broadcast transfer (primerl.transport.broadcast) a snapshot may instead be a marker: `BROADCAST` (JSON:
-  {"step", "transfer_id", "backend", "receivers", "seconds", "num_tensors", "num_bytes", "num_buckets", "dtypes"})
-  and `STABLE`, published only after every receiver confirmed it applied version k. A directory may hold both the
-  marker and the full files (steps the trainer also writes in full); readers that are not broadcast receivers load
-  the files and treat a marker-only directory as "not on disk".
+- A version published by another transfer (primerl.transport.weight_transfer) may instead hold a marker and no
+  weights: `BROADCAST` (JSON: {"step", "transfer_id", "backend", "receivers", "seconds", "num_tensors", "num_bytes",
+  "num_buckets", "dtypes"}), published only after every receiver confirmed it applied version k, or `SHARED` (JSON:
+  {"step", "segment_id"}), the version in the trainer's shared buffer. A directory may hold both a marker and the
+  full files (steps the trainer also writes in full); readers that are not that transfer's receivers load the files
+  and treat a marker-only directory as "not on disk".
 
-Torch-free, so the inference server and the orchestrator can use the readers.
+Torch-free, so the inference server, the orchestrator and the launcher can use the readers.
 """
 
 from __future__ import annotations
@@ -67,15 +68,15 @@ def has_files(path: str | os.PathLike) -> bool:
     return any(Path(path).glob("*.safetensors"))
 
 
-def broadcast_marker(path: str | os.PathLike) -> dict | None:
-    """The `BROADCAST` marker of a snapshot (its JSON), or None when the snapshot was not broadcast."""
-    marker = Path(path) / BROADCAST
-    return json.loads(marker.read_text()) if marker.is_file() else None
+def marker(path: str | os.PathLike, name: str) -> dict | None:
+    """The marker `name` (`BROADCAST`, `SHARED`) of snapshot `path` (its JSON), or None when it has none."""
+    file = Path(path) / name
+    return json.loads(file.read_text()) if file.is_file() else None
 
 
-def write_broadcast_marker(staged: Path, info: dict) -> None:
-    """Put the `BROADCAST` marker into a staging directory (before `publish`)."""
-    (staged / BROADCAST).write_text(json.dumps(info, sort_keys=True))
+def write_marker(staged: Path, name: str, info: dict) -> None:
+    """Put the marker `name` into a staging directory (before `publish`)."""
+    (staged / name).write_text(json.dumps(info, sort_keys=True))
 
 
 def wait_for_weights(
@@ -114,6 +115,13 @@ def publish(staged: Path, run_dir: str | os.PathLike, step: int) -> Path:
     _fsync_file(marker_tmp)
     os.rename(marker_tmp, final / STABLE)
     return final
+
+
+def publish_marker(run_dir: str | os.PathLike, step: int, name: str, info: dict) -> Path:
+    """Publish `weights/step_<step>/` holding only the marker `name` (and `STABLE`)."""
+    staged = staging_dir(run_dir, step)
+    write_marker(staged, name, info)
+    return publish(staged, run_dir, step)
 
 
 def prune(run_dir: str | os.PathLike, keep_last: int) -> list[int]:
