@@ -286,6 +286,7 @@ class StepStats:
     failed), samples dropped as too old, time spent waiting for the policy."""
 
     started: float = field(default_factory=time.monotonic)
+    cpu_started: float = field(default_factory=time.process_time)
     unused_groups: list[Group] = field(default_factory=list)
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
@@ -552,6 +553,7 @@ class Orchestrator:
             "oldest_policy_version": min((s.policy_versions[0] for s in samples), default=None),
             "samples_spanning_updates": sum(s.policy_versions[0] != s.policy_versions[1] for s in samples),
             "step_s": step_s,
+            "cpu_s": time.process_time() - stats.cpu_started,
             "wait_for_policy_s": stats.wait_for_policy_s,
             "write_s": write_s,
             "weight_update_s": self.policy.last_update_s,
