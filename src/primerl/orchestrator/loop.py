@@ -12,7 +12,7 @@ Contract:
   that consumes `rollouts/step_<n>`, `"rollout_step": n`) and, every `ckpt.interval` batches,
   saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
 
-Torch-free: it imports verifiers, httpx and numpy, never a model.
+Torch-free: it imports verifiers, httpx and numpy, never a model. Groups run through `groups.GroupRunner`.
 """
 
 from __future__ import annotations
@@ -32,16 +32,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import verifiers.v1 as vf
-
 from primerl.config import config_from_argv
 from primerl.config.orchestrator import OrchestratorConfig
-from primerl.models import resolve_model
 from primerl.monitor import MetricsLogger
 from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
-from primerl.orchestrator.client import InferencePool, install_model_client_transport
-from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
+from primerl.orchestrator.client import InferencePool
+from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
@@ -317,7 +314,6 @@ class Orchestrator:
         self.metrics = MetricsLogger(
             self.run_dir, "orchestrator", wandb=cfg.wandb, config={"orchestrator": cfg.model_dump(mode="json")}
         )
-        self.model_name = cfg.served_model_name or cfg.model.name
         self.pending: set[asyncio.Task] = set()
         self.ready: deque[Group] = deque()
         self.stats = StepStats()
@@ -331,21 +327,17 @@ class Orchestrator:
         self.sampled_tokens_this_run = 0
 
     async def run(self) -> None:
+        async with GroupRunner(RolloutSetup.from_config(self.cfg)) as self.groups:
+            await self._serve()
+
+    async def _serve(self) -> None:
         cfg = self.cfg
         if self.progress.next_step:
             log.info("resuming at step %d (%d tasks drawn so far, %d of them drawn again first: their groups were in "
                      "flight)", self.progress.next_step, self.progress.tasks_drawn, len(self.progress.tasks_in_flight))
-        renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
-        install_model_client_transport(cfg.client.request_timeout_s)
-        cache_default_factory_checks()
         urls = cfg.client.urls
-        self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
-        warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
-        await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
-        env = bridge.env_from_config(cfg.env)
-        self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn, self.progress.tasks_in_flight)
-        self.sampling = vf.SamplingConfig(**cfg.sampling.verifiers_fields())
-        self.env = env
+        self.tasks = TaskStream(self.groups.env.taskset, cfg.seed, self.progress.tasks_drawn,
+                                self.progress.tasks_in_flight)
         log.info(
             "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
             "off-policy limit %d, advantage %s, %d inference server(s)",
@@ -359,18 +351,14 @@ class Orchestrator:
         ) as pool:
             self.pool = pool
             self.policy = PolicyTracker(pool, self.run_dir, cfg.weights_poll_s)
-            try:
-                await pool.wait_until_serving(cfg.client.startup_timeout_s)
-            finally:
-                await warm_client.close()
+            await pool.wait_until_serving(cfg.client.startup_timeout_s)
             await self.policy.load_newest()
             log.info("inference serves policy version %d", self.policy.version)
             watcher = asyncio.create_task(self.policy.watch(), name="weights-watcher")
             self.generation_started = time.monotonic()
             self.stats = StepStats()
             try:
-                async with env.serving():
-                    await self._steps(watcher)
+                await self._steps(watcher)
             finally:
                 watcher.cancel()
                 for task in self.pending:
@@ -418,15 +406,7 @@ class Orchestrator:
     async def _run_group(self, draw: int, task: Any) -> Group:
         started = time.monotonic()
         with self.pool.acquire() as server:
-
-            async def current_version() -> int:
-                return int((await self.pool.health(server))["policy_version"])
-
-            n = self.cfg.batch.group_size
-            samples = await bridge.run_group(
-                self.env, task, n, model=self.model_name, client=self.clients[server.url], sampling=self.sampling,
-                current_version=current_version, seeds=[bridge.rollout_seed(self.cfg.seed, draw, i) for i in range(n)],
-            )
+            samples = await self.groups.run(draw, task, server.url)
         group = score_group(bridge.task_id(task), samples, self.advantage_fn, time.monotonic() - started)
         group.draw = draw
         return group
@@ -568,8 +548,7 @@ class Orchestrator:
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_argv(OrchestratorConfig, argv, prog="primerl orchestrator")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "httpcore", "aiohttp.access", "verifiers.v1.rollout"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries()
     try:
         asyncio.run(Orchestrator(cfg).run())
     except KeyboardInterrupt:
