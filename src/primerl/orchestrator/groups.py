@@ -4,10 +4,12 @@
 Contract: `GroupRunner(setup)` is built from a `RolloutSetup` (plain, picklable data: the same setup gives the same
 rollouts in any process) inside a running event loop; `async with runner:` loads the environment and serves its
 interception server; `await runner.run(draw, task, url)` returns the samples of the task drawn `draw`-th, sampled
-from the server at `url` (as the orchestrator's `InferencePool` names it) with the seeds `rollout_seed(seed, draw, i)`. It also owns what a rollout needs from the
-process: the model clients' transport and timeout, the token-version ledger they fill (`versions.TOKEN_VERSIONS`),
-the renderer pool, and a `GET /health` client per server for the version bracket. `runner.env` is the loaded
-environment (its taskset is what the loop draws from). `cpu_s` is None: groups cost the caller's own CPU.
+from the server at `url` (as the orchestrator's `InferencePool` names it) with the seeds `rollout_seed(seed, draw,
+i)`. The runner owns what a rollout needs from its process: the model clients' transport and timeout, the
+token-version ledger they fill (`versions.TOKEN_VERSIONS`), the renderer pool, and a `GET /health` client per server
+for the version bracket. `runner.env` is the loaded environment (its taskset is what the loop draws from). `cpu_s` is
+None (groups cost the caller's own CPU) and `failed` never completes (a group's failure is its own exception): the
+two are what a `workers.WorkerPool` reports of its processes.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class GroupRunner:
         # loads and the server comes up.
         self._warm_client = vf.resolve_client(self.clients[urls[0]])
         self.sampling = vf.SamplingConfig(**setup.sampling)
+        self.failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.env: vf.Env | None = None
         self._stack = contextlib.AsyncExitStack()
 

@@ -12,7 +12,10 @@ Contract:
   that consumes `rollouts/step_<n>`, `"rollout_step": n`) and, every `ckpt.interval` batches,
   saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
 
-Torch-free: it imports verifiers, httpx and numpy, never a model. Groups run through `groups.GroupRunner`.
+Groups run in this process (`groups.GroupRunner`) or in `workers` worker processes (`workers.WorkerPool`); either
+way the tasks, the bound, scoring, batches and checkpoints stay here, so task order and resume do not depend on it.
+
+Torch-free: it imports verifiers, httpx and numpy, never a model.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
 from primerl.orchestrator.scheduler import PolicyBound
+from primerl.orchestrator.workers import WorkerFailed, WorkerPool, open_groups, worker_count
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
 from primerl.transport import weights
@@ -284,6 +288,7 @@ class StepStats:
 
     started: float = field(default_factory=time.monotonic)
     cpu_started: float = field(default_factory=time.process_time)
+    workers_cpu_started: float | None = None
     unused_groups: list[Group] = field(default_factory=list)
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
@@ -314,6 +319,7 @@ class Orchestrator:
         self.metrics = MetricsLogger(
             self.run_dir, "orchestrator", wandb=cfg.wandb, config={"orchestrator": cfg.model_dump(mode="json")}
         )
+        self.groups: GroupRunner | WorkerPool | None = None  # where groups run (`run` opens it)
         self.pending: set[asyncio.Task] = set()
         self.ready: deque[Group] = deque()
         self.stats = StepStats()
@@ -327,7 +333,8 @@ class Orchestrator:
         self.sampled_tokens_this_run = 0
 
     async def run(self) -> None:
-        async with GroupRunner(RolloutSetup.from_config(self.cfg)) as self.groups:
+        workers = worker_count(self.cfg.workers)
+        async with open_groups(RolloutSetup.from_config(self.cfg), workers, str(self.run_dir.resolve())) as self.groups:
             await self._serve()
 
     async def _serve(self) -> None:
@@ -356,7 +363,7 @@ class Orchestrator:
             log.info("inference serves policy version %d", self.policy.version)
             watcher = asyncio.create_task(self.policy.watch(), name="weights-watcher")
             self.generation_started = time.monotonic()
-            self.stats = StepStats()
+            self.stats = self._new_step_stats()
             try:
                 await self._steps(watcher)
             finally:
@@ -375,13 +382,16 @@ class Orchestrator:
             changed = asyncio.create_task(self.policy.changed.wait())
             idle = not self.pending
             waited = time.monotonic()
-            done, _ = await asyncio.wait({*self.pending, changed, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*self.pending, changed, watcher, self.groups.failed},
+                                         return_when=asyncio.FIRST_COMPLETED)
             changed.cancel()
             if idle:
                 self.stats.wait_for_policy_s += time.monotonic() - waited
             if watcher in done:
                 watcher.result()  # re-raises what stopped it
                 raise RuntimeError("the weights watcher stopped")
+            if self.groups.failed in done:
+                self.groups.failed.result()  # a worker process died: raises why
             for task in done & self.pending:
                 self.pending.discard(task)
                 self._collect(task.result())
@@ -496,8 +506,17 @@ class Orchestrator:
             step + 1, step, record["reward_mean"], record["batch_reward_mean"], len(samples),
             record["policy_lag_max"], record["step_s"],
         )
-        self.stats = StepStats()
+        self.stats = self._new_step_stats()
         self.extra_groups_used = 0
+
+    def _new_step_stats(self) -> StepStats:
+        return StepStats(workers_cpu_started=None if self.groups is None else self.groups.cpu_s)
+
+    def _workers_cpu_since(self, stats: StepStats) -> float | None:
+        """CPU seconds the worker processes spent on this step's groups (None: no workers)."""
+        if stats.workers_cpu_started is None or self.groups.cpu_s is None:
+            return None
+        return self.groups.cpu_s - stats.workers_cpu_started
 
     def _step_metrics(self, step: int, groups: list[Group], samples: list[batches.Sample], meta: dict,
                       write_s: float) -> dict[str, Any]:
@@ -534,6 +553,7 @@ class Orchestrator:
             "samples_spanning_updates": sum(s.policy_versions[0] != s.policy_versions[1] for s in samples),
             "step_s": step_s,
             "cpu_s": time.process_time() - stats.cpu_started,
+            "workers_cpu_s": self._workers_cpu_since(stats),
             "wait_for_policy_s": stats.wait_for_policy_s,
             "write_s": write_s,
             "weight_update_s": self.policy.last_update_s,
@@ -557,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     except bridge.EnvConfigError as e:
         log.error("config error: %s", e)
         return 2
-    except RolloutsFailing as e:
+    except (RolloutsFailing, WorkerFailed) as e:
         log.error("orchestrator failed: %s", e)
         return 1
     except Exception as e:
