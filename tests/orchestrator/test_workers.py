@@ -4,7 +4,6 @@ killed orchestrator leave no worker behind, bad env args fail before any worker 
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -16,22 +15,11 @@ import numpy as np
 import pytest
 from test_rollouts import server  # noqa: F401  (the module-scoped tiny server fixture)
 
-from primerl.config.orchestrator import OrchestratorConfig
-from primerl.orchestrator.loop import Orchestrator
 from primerl.orchestrator.workers import worker_count
 from primerl.transport.rollouts import read_batch
 
 pytestmark = pytest.mark.integration
 SETTINGS = {"batch.tasks_per_step": "2", "batch.group_size": "3", "sampling.max_tokens": "8", "seed": "5"}
-
-
-def config(run_dir: Path, url: str, **overrides) -> OrchestratorConfig:
-    """A standalone orchestrator (no trainer): policy 0 serves every step, so the bound is opened as far as the run."""
-    return OrchestratorConfig(
-        run_dir=run_dir, model={"name": "tiny"}, client={"base_url": url, "startup_timeout_s": 60},
-        batch={"tasks_per_step": 2, "group_size": 3, "seq_len": 256}, sampling={"max_tokens": 8}, seed=5,
-        advantage={"drop_zero_advantage": False}, max_steps=3, max_async_steps=3, **overrides,
-    )
 
 
 def command(run_dir: Path, url: str, *overrides: str) -> list[str]:
@@ -76,9 +64,15 @@ def start(run_dir: Path, url: str, *overrides: str) -> subprocess.Popen:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_workers_write_the_batches_the_loop_writes_in_its_own_process(server, tmp_path):  # noqa: F811
     """Same seed, same server: every step takes the same tasks in the same order and the same tokens, masks,
-    log-probs and versions, with the rollouts in two worker processes or in the loop's own."""
+    log-probs and versions, with the rollouts in two worker processes or in the loop's own. No trainer: policy 0
+    serves every step, the bound is opened as far as the run, and every group is used."""
     for workers in (0, 2):
-        asyncio.run(Orchestrator(config(tmp_path / f"workers_{workers}", server, workers=workers)).run())
+        finished = subprocess.run(
+            command(tmp_path / f"workers_{workers}", server, f"--workers={workers}", "--max_steps=3",
+                    "--max_async_steps=3", "--advantage.drop_zero_advantage=false"),
+            check=False, capture_output=True, text=True, timeout=300,
+        )
+        assert finished.returncode == 0, finished.stderr[-3000:]
     for step in range(3):
         alone, pooled = (read_batch(tmp_path / f"workers_{n}" / "rollouts" / f"step_{step}") for n in (0, 2))
         assert alone.meta["extra"]["tasks"] == pooled.meta["extra"]["tasks"]
