@@ -1,16 +1,21 @@
-"""The orchestrator's own CPU cost per rollout: the real rollout path against a cheap real server; prints JSON.
+"""The orchestrator's CPU cost per rollout, in its loop and in its workers: its real loop against a cheap real
+server; prints JSON.
 
-    uv run python benchmarks/orchestrator_cpu.py --steps 6 --out benchmarks/results/orchestrator_cpu.json
-    uv run python benchmarks/orchestrator_cpu.py --profile /tmp/orchestrator.txt   # and a py-spy profile (raw)
+    uv run python benchmarks/orchestrator_cpu.py --workers 0,2 --steps 6 --out benchmarks/results/orchestrator_cpu.json
+    uv run python benchmarks/orchestrator_cpu.py --workers 2 --profile /tmp/orchestrator.txt   # py-spy profile (raw)
 
 A `primerl inference` server on the tiny model (one engine thread, 4 new tokens: cheap, so the orchestrator side is
-what is measured) serves `--steps` steps of `--tasks` reverse-text groups of `--group-size` rollouts each, run the
-way the orchestrator's loop runs them: every group concurrently through `run_group` with the renderer client, the
-installed model-client transport, the token-version ledger and the pool's `GET /health` brackets. Measured in this
-(the orchestrator's) process after `--warmup` steps: CPU seconds per rollout (`time.process_time`, every thread of
-the process, the renderer's worker threads included), rollouts per second of wall time, and lost rollouts (a sample
-with an error). CPU per rollout is the figure to compare across changes: wall time depends on the load the other
-processes on the machine put on its cores (the load average is recorded with each run).
+what is measured) serves the orchestrator's own loop (`primerl.orchestrator.loop.Orchestrator`, run in this process)
+once per entry of `--workers` (`orchestrator.workers`; the list is run `--rounds` times, alternating): `--warmup` +
+`--steps` batches (and one more, unmeasured, that drains what is in flight) of `--tasks` reverse-text groups of `--group-size` rollouts, with the renderer client, the
+token-version ledger, the health brackets, scoring, packing and writing each batch, exactly as in `rl`. No trainer
+runs: the async bound is opened as far as the run is long and `batch.max_concurrent_groups` (2 x `--tasks`) keeps
+about two steps in flight, as `max_async_steps = 1` does in a run; every group is used (no zero-advantage filter), so
+each step has `tasks x group_size` rollouts. Figures per measured step, from the orchestrator's own metrics: CPU
+milliseconds per rollout of the loop's process (`cpu_s`, all its threads: the main loop) and of its workers
+(`workers_cpu_s`, reported by each worker), rollouts per second of wall time, lost rollouts (`errors`). CPU per
+rollout is the figure to compare across changes: wall time depends on the load the other processes put on the
+machine's cores (recorded with each run) and, with workers, on how many cores there are to run them.
 """
 
 from __future__ import annotations
@@ -42,80 +47,83 @@ def commit() -> str | None:
         return None
 
 
-async def drive(base_url: str, model_dir: Path, args: argparse.Namespace) -> dict:
-    import verifiers.v1 as vf
+async def run_loop(orchestrator, profile: Path | None, warmup: int) -> None:
+    """Run the orchestrator; with `profile`, py-spy records this process (and its children) from the end of the
+    warm-up steps to the end of the run."""
+    if profile is None:
+        await orchestrator.run()
+        return
 
-    from primerl.orchestrator import rollouts as bridge
-    from primerl.orchestrator.client import InferencePool, install_model_client_transport
-    from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
+    async def record_after_warmup() -> asyncio.subprocess.Process:
+        while not (orchestrator.run_dir / "rollouts" / f"step_{warmup - 1}").is_dir():
+            await asyncio.sleep(0.05)
+        return await asyncio.create_subprocess_exec(
+            "py-spy", "record", "-p", str(os.getpid()), "-r", "200", "-f", "raw", "--threads", "--subprocesses",
+            "-o", str(profile), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
 
-    install_model_client_transport(60.0)
-    cache_default_factory_checks()
-    env = bridge.load_env("reverse-text")
-    tasks = list(env.taskset)
-    client = bridge.train_client(base_url, renderer_model=model_dir)
-    sampling = vf.SamplingConfig(temperature=1.0, max_tokens=args.max_tokens)
-    steps: list[dict] = []
-    errors: list[str] = []
-    draws = 0
-    async with InferencePool([base_url], admin_token=None, request_timeout_s=60.0, retry_s=30.0) as pool:
-        await pool.wait_until_serving(60.0)
+    profiler = asyncio.create_task(record_after_warmup())
+    try:
+        await orchestrator.run()
+    finally:
+        if not profiler.done():
+            profiler.cancel()
+        elif profiler.exception() is None:
+            profiler.result().send_signal(signal.SIGINT)  # py-spy writes its profile when interrupted
+            await profiler.result().wait()
 
-        async def group(draw: int) -> list:
-            with pool.acquire() as server:
 
-                async def current_version() -> int:
-                    return int((await pool.health(server))["policy_version"])
+def measure(base_url: str, run_dir: Path, workers: int, args: argparse.Namespace) -> dict:
+    from primerl.config.orchestrator import OrchestratorConfig
+    from primerl.monitor import read_metrics
+    from primerl.orchestrator.loop import Orchestrator
 
-                return await bridge.run_group(
-                    env, tasks[draw % len(tasks)], args.group_size, model="tiny", client=client, sampling=sampling,
-                    current_version=current_version,
-                    seeds=[bridge.rollout_seed(0, draw, i) for i in range(args.group_size)],
-                )
+    steps = args.warmup + args.steps + 1  # the last step only drains what is in flight: not measured
+    cfg = OrchestratorConfig(
+        run_dir=run_dir, model={"name": "tiny"}, env={"id": "reverse-text"}, seed=0,
+        client={"base_url": base_url, "request_timeout_s": 60, "startup_timeout_s": 60, "retry_s": 30},
+        sampling={"temperature": 1.0, "max_tokens": args.max_tokens},
+        batch={"tasks_per_step": args.tasks, "group_size": args.group_size, "seq_len": 512,
+               "max_concurrent_groups": 2 * args.tasks},
+        advantage={"drop_zero_advantage": False}, max_steps=steps, max_async_steps=steps, workers=workers,
+    )
+    asyncio.run(run_loop(Orchestrator(cfg), args.profile, args.warmup))
+    records = read_metrics(run_dir, "orchestrator")
+    totals = [0] + [r["rollouts_total"] for r in records]
+    measured = [
+        {"rollouts": totals[i + 1] - totals[i], "main_loop": r["cpu_s"], "workers": r["workers_cpu_s"],
+         "wall_s": r["step_s"], "lost": r["errors"]}
+        for i, r in enumerate(records)
+    ][args.warmup:-1]
+    rollouts = sum(s["rollouts"] for s in measured)
 
-        async with env.serving():
-            profiler = None
-            for step in range(args.warmup + args.steps):
-                if step == args.warmup and args.profile:
-                    profiler = await asyncio.create_subprocess_exec(
-                        "py-spy", "record", "-p", str(os.getpid()), "-r", "200", "-f", "raw", "--threads",
-                        "-o", str(args.profile), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    )
-                    await asyncio.sleep(1.0)  # py-spy attaches
-                cpu, wall = time.process_time(), time.perf_counter()
-                groups = await asyncio.gather(*(group(draws + i) for i in range(args.tasks)))
-                cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
-                draws += args.tasks
-                samples = [sample for samples in groups for sample in samples]
-                lost = [sample.error for sample in samples if sample.error]
-                if step >= args.warmup:
-                    errors.extend(lost)
-                    steps.append({"rollouts": len(samples), "cpu_s": cpu, "wall_s": wall, "lost": len(lost)})
-            if profiler is not None:
-                profiler.send_signal(signal.SIGINT)  # py-spy writes its profile when interrupted
-                await profiler.wait()
-    rollouts = sum(s["rollouts"] for s in steps)
-    per_rollout_ms = [1000 * s["cpu_s"] / s["rollouts"] for s in steps]
+    def ms_per_rollout(part: str) -> float | None:
+        if measured[0][part] is None:
+            return None
+        return round(1000 * sum(s[part] for s in measured) / rollouts, 2)
+
+    main_per_step = [1000 * s["main_loop"] / s["rollouts"] for s in measured]
     return {
+        "workers": workers,
         "rollouts": rollouts,
-        "lost_rollouts": len(errors),
-        "lost_examples": sorted(set(errors))[:5],
-        "cpu_ms_per_rollout": round(1000 * sum(s["cpu_s"] for s in steps) / rollouts, 2),
-        "cpu_ms_per_rollout_per_step": [round(x, 2) for x in per_rollout_ms],
-        "cpu_ms_per_rollout_median_step": round(statistics.median(per_rollout_ms), 2),
-        "rollouts_per_s": round(rollouts / sum(s["wall_s"] for s in steps), 1),
-        "rollouts_per_cpu_s": round(rollouts / sum(s["cpu_s"] for s in steps), 1),
+        "lost_rollouts": sum(s["lost"] for s in measured),
+        "ms_per_rollout": {"main_loop": ms_per_rollout("main_loop"), "workers": ms_per_rollout("workers")},
+        "main_loop_ms_per_rollout_per_step": [round(x, 2) for x in main_per_step],
+        "main_loop_ms_per_rollout_median_step": round(statistics.median(main_per_step), 2),
+        "rollouts_per_s": round(rollouts / sum(s["wall_s"] for s in measured), 1),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", type=int, default=16, help="groups per step, run concurrently")
+    parser.add_argument("--workers", default="0,2", help="orchestrator.workers of each run, comma-separated")
+    parser.add_argument("--rounds", type=int, default=1, help="times the list of --workers is run")
+    parser.add_argument("--tasks", type=int, default=16, help="groups per step")
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6, help="measured steps")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
     parser.add_argument("--max-tokens", type=int, default=4)
-    parser.add_argument("--profile", type=Path, help="write a py-spy profile (raw, collapsed stacks) of the steps")
+    parser.add_argument("--profile", type=Path, help="write a py-spy profile (raw, collapsed stacks) of the measured steps")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -124,9 +132,14 @@ def main() -> None:
     model_dir = resolve_model("tiny")
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as workdir, start_server(
-        model_dir, Path(workdir), "--threads", "1", "--max-batch-size", "128"
+        model_dir, Path(workdir) / "server", "--threads", "1", "--max-batch-size", "128"
     ) as server:
-        measured = asyncio.run(drive(server.base_url, model_dir, args))
+        runs = []
+        for round_ in range(args.rounds):
+            for workers in [int(n) for n in args.workers.split(",")]:
+                started = time.perf_counter()
+                measured = measure(server.base_url, Path(workdir) / f"run_{round_}_{workers}", workers, args)
+                runs.append({**measured, "run_s": round(time.perf_counter() - started, 1)})
     emit({
         "benchmark": "orchestrator_cpu",
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
@@ -136,7 +149,7 @@ def main() -> None:
         "group_size": args.group_size,
         "steps": args.steps,
         "max_tokens": args.max_tokens,
-        **measured,
+        "runs": runs,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }, args.out)

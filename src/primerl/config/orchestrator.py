@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
@@ -185,6 +185,12 @@ class OrchestratorConfig(ProcessConfig):
         "(None: max_async_steps)",
     )
     seed: int = Field(0, description="seed of the task order and of every rollout's sampling seed")
+    workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        "auto",
+        description="processes that run the rollouts (the environment, its interception server, rendering, scoring) "
+        "beside the loop, which keeps the task order, the async bound and the batches; 0: in the loop's own "
+        "process; auto: 0 on a machine of fewer than 8 cores, else half its cores, at most 8",
+    )
     weights_poll_s: float = Field(0.05, gt=0, description="how often to look for new weights/step_<k>/")
     ckpt: OrchestratorCheckpointSection = Field(
         default_factory=OrchestratorCheckpointSection, description="orchestrator checkpoints"

@@ -12,6 +12,9 @@ Contract:
   that consumes `rollouts/step_<n>`, `"rollout_step": n`) and, every `ckpt.interval` batches,
   saves its progress to `checkpoints/step_<k>/orchestrator/state.json` (k = batches written) for `--resume`.
 
+Groups run in this process (`groups.GroupRunner`) or in `workers` worker processes (`workers.WorkerPool`); either
+way the tasks, the bound, scoring, batches and checkpoints stay here, so task order and resume do not depend on it.
+
 Torch-free: it imports verifiers, httpx and numpy, never a model.
 """
 
@@ -32,17 +35,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import verifiers.v1 as vf
-
 from primerl.config import config_from_argv
 from primerl.config.orchestrator import OrchestratorConfig
-from primerl.models import resolve_model
 from primerl.monitor import MetricsLogger
 from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
-from primerl.orchestrator.client import InferencePool, install_model_client_transport
-from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
+from primerl.orchestrator.client import InferencePool
+from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
 from primerl.orchestrator.scheduler import PolicyBound
+from primerl.orchestrator.workers import WorkerFailed, WorkerPool, open_groups, worker_count
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
 from primerl.transport import snapshots
@@ -286,6 +287,8 @@ class StepStats:
     failed), samples dropped as too old, time spent waiting for the policy."""
 
     started: float = field(default_factory=time.monotonic)
+    cpu_started: float = field(default_factory=time.process_time)
+    workers_cpu_started: float | None = None
     unused_groups: list[Group] = field(default_factory=list)
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
@@ -316,7 +319,7 @@ class Orchestrator:
         self.metrics = MetricsLogger(
             self.run_dir, "orchestrator", wandb=cfg.wandb, config={"orchestrator": cfg.model_dump(mode="json")}
         )
-        self.model_name = cfg.served_model_name or cfg.model.name
+        self.groups: GroupRunner | WorkerPool | None = None  # where groups run (`run` opens it)
         self.pending: set[asyncio.Task] = set()
         self.ready: deque[Group] = deque()
         self.stats = StepStats()
@@ -330,21 +333,18 @@ class Orchestrator:
         self.sampled_tokens_this_run = 0
 
     async def run(self) -> None:
+        workers = worker_count(self.cfg.workers)
+        async with open_groups(RolloutSetup.from_config(self.cfg), workers, str(self.run_dir.resolve())) as self.groups:
+            await self._serve()
+
+    async def _serve(self) -> None:
         cfg = self.cfg
         if self.progress.next_step:
             log.info("resuming at step %d (%d tasks drawn so far, %d of them drawn again first: their groups were in "
                      "flight)", self.progress.next_step, self.progress.tasks_drawn, len(self.progress.tasks_in_flight))
-        renderer_model = resolve_model(cfg.model.name, cfg.model.revision)
-        install_model_client_transport(cfg.client.request_timeout_s)
-        cache_default_factory_checks()
         urls = cfg.client.urls
-        self.clients = {url: bridge.train_client(url, renderer_model=renderer_model) for url in urls}
-        warm_client = vf.resolve_client(self.clients[urls[0]])  # schedules loading the tokenizer (slow) on a thread...
-        await asyncio.sleep(0)  # ...which starts now, while the environment loads and the server comes up
-        env = bridge.env_from_config(cfg.env)
-        self.tasks = TaskStream(env.taskset, cfg.seed, self.progress.tasks_drawn, self.progress.tasks_in_flight)
-        self.sampling = vf.SamplingConfig(**cfg.sampling.verifiers_fields())
-        self.env = env
+        self.tasks = TaskStream(self.groups.env.taskset, cfg.seed, self.progress.tasks_drawn,
+                                self.progress.tasks_in_flight)
         log.info(
             "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
             "off-policy limit %d, advantage %s, %d inference server(s)",
@@ -358,18 +358,14 @@ class Orchestrator:
         ) as pool:
             self.pool = pool
             self.policy = PolicyTracker(pool, self.run_dir, cfg.weights_poll_s)
-            try:
-                await pool.wait_until_serving(cfg.client.startup_timeout_s)
-            finally:
-                await warm_client.close()
+            await pool.wait_until_serving(cfg.client.startup_timeout_s)
             await self.policy.load_newest()
             log.info("inference serves policy version %d", self.policy.version)
             watcher = asyncio.create_task(self.policy.watch(), name="weights-watcher")
             self.generation_started = time.monotonic()
-            self.stats = StepStats()
+            self.stats = self._new_step_stats()
             try:
-                async with env.serving():
-                    await self._steps(watcher)
+                await self._steps(watcher)
             finally:
                 watcher.cancel()
                 for task in self.pending:
@@ -386,13 +382,16 @@ class Orchestrator:
             changed = asyncio.create_task(self.policy.changed.wait())
             idle = not self.pending
             waited = time.monotonic()
-            done, _ = await asyncio.wait({*self.pending, changed, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait({*self.pending, changed, watcher, self.groups.failed},
+                                         return_when=asyncio.FIRST_COMPLETED)
             changed.cancel()
             if idle:
                 self.stats.wait_for_policy_s += time.monotonic() - waited
             if watcher in done:
                 watcher.result()  # re-raises what stopped it
                 raise RuntimeError("the weights watcher stopped")
+            if self.groups.failed in done:
+                self.groups.failed.result()  # a worker process died: raises why
             for task in done & self.pending:
                 self.pending.discard(task)
                 self._collect(task.result())
@@ -417,15 +416,7 @@ class Orchestrator:
     async def _run_group(self, draw: int, task: Any) -> Group:
         started = time.monotonic()
         with self.pool.acquire() as server:
-
-            async def current_version() -> int:
-                return int((await self.pool.health(server))["policy_version"])
-
-            n = self.cfg.batch.group_size
-            samples = await bridge.run_group(
-                self.env, task, n, model=self.model_name, client=self.clients[server.url], sampling=self.sampling,
-                current_version=current_version, seeds=[bridge.rollout_seed(self.cfg.seed, draw, i) for i in range(n)],
-            )
+            samples = await self.groups.run(draw, task, server.url)
         group = score_group(bridge.task_id(task), samples, self.advantage_fn, time.monotonic() - started)
         group.draw = draw
         return group
@@ -515,8 +506,17 @@ class Orchestrator:
             step + 1, step, record["reward_mean"], record["batch_reward_mean"], len(samples),
             record["policy_lag_max"], record["step_s"],
         )
-        self.stats = StepStats()
+        self.stats = self._new_step_stats()
         self.extra_groups_used = 0
+
+    def _new_step_stats(self) -> StepStats:
+        return StepStats(workers_cpu_started=None if self.groups is None else self.groups.cpu_s)
+
+    def _workers_cpu_since(self, stats: StepStats) -> float | None:
+        """CPU seconds the worker processes spent on this step's groups (None: no workers)."""
+        if stats.workers_cpu_started is None or self.groups.cpu_s is None:
+            return None
+        return self.groups.cpu_s - stats.workers_cpu_started
 
     def _step_metrics(self, step: int, groups: list[Group], samples: list[batches.Sample], meta: dict,
                       write_s: float) -> dict[str, Any]:
@@ -552,6 +552,8 @@ class Orchestrator:
             "oldest_policy_version": min((s.policy_versions[0] for s in samples), default=None),
             "samples_spanning_updates": sum(s.policy_versions[0] != s.policy_versions[1] for s in samples),
             "step_s": step_s,
+            "cpu_s": time.process_time() - stats.cpu_started,
+            "workers_cpu_s": self._workers_cpu_since(stats),
             "wait_for_policy_s": stats.wait_for_policy_s,
             "write_s": write_s,
             "weight_update_s": self.policy.last_update_s,
@@ -566,8 +568,7 @@ class Orchestrator:
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_argv(OrchestratorConfig, argv, prog="primerl orchestrator")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("httpx", "httpcore", "aiohttp.access", "verifiers.v1.rollout"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    quiet_libraries()
     try:
         asyncio.run(Orchestrator(cfg).run())
     except KeyboardInterrupt:
@@ -576,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     except bridge.EnvConfigError as e:
         log.error("config error: %s", e)
         return 2
-    except RolloutsFailing as e:
+    except (RolloutsFailing, WorkerFailed) as e:
         log.error("orchestrator failed: %s", e)
         return 1
     except Exception as e:
