@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import re
 import shutil
 import statistics
@@ -42,6 +41,7 @@ from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
 from primerl.orchestrator.client import InferencePool, install_model_client_transport
 from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
+from primerl.orchestrator.sampler import TaskStream
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
@@ -132,58 +132,6 @@ def resume_progress(run_dir: Path) -> Progress:
         progress = Progress(**recorded) if recorded else progress
         progress.next_step = published[-1] + 1
     return progress
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Tasks
-
-
-class TaskStream:
-    """The environment's tasks in a seeded order: a fresh shuffle each pass over a finite taskset, the taskset's own
-    order for an infinite one. `drawn` counts tasks handed out and `next` returns each with its draw index, so a
-    resumed run continues where it stopped: first the draws in `redo` (tasks whose groups were lost), then new ones."""
-
-    def __init__(self, taskset: Any, seed: int, drawn: int = 0, redo: Sequence[int] = ()):
-        self.drawn = drawn
-        self._seed = seed
-        self._tasks = list(taskset) if taskset.bounded else None
-        if self._tasks is not None and not self._tasks:
-            raise ValueError("the environment has no tasks")
-        self._epoch, self._order = -1, []
-        self._redo: deque[tuple[int, Any]] = deque()
-        self._infinite = iter(taskset) if self._tasks is None else None
-        wanted = set(redo)
-        if self._infinite is not None:
-            for index in range(drawn):
-                task = next(self._infinite)
-                if index in wanted:
-                    self._redo.append((index, task))
-        else:
-            self._redo.extend((index, self._task_at(index)) for index in sorted(wanted))
-
-    def __len__(self) -> int:
-        return len(self._tasks) if self._tasks is not None else 0
-
-    @property
-    def redo_left(self) -> list[int]:
-        """Draw indices still to be drawn again."""
-        return [index for index, _ in self._redo]
-
-    def next(self) -> tuple[int, Any]:
-        """(draw index, task)."""
-        if self._redo:
-            return self._redo.popleft()
-        self.drawn += 1
-        if self._infinite is not None:
-            return self.drawn - 1, next(self._infinite)
-        return self.drawn - 1, self._task_at(self.drawn - 1)
-
-    def _task_at(self, draw: int) -> Any:
-        epoch, index = divmod(draw, len(self._tasks))
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, list(range(len(self._tasks)))
-            random.Random(f"{self._seed}:{epoch}").shuffle(self._order)
-        return self._tasks[self._order[index]]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
