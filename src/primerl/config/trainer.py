@@ -207,18 +207,18 @@ class CustomLoss(Section):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the loss")
 
 
-def _custom_when_untyped(value: Any) -> Any:
-    """Configs written before losses had a `type`: a table with `path` or `kwargs` and no `type` is a custom loss
-    (its path defaults to the masked importance loss, as it always did)."""
-    if isinstance(value, dict) and "type" not in value and ("path" in value or "kwargs" in value):
-        return {"type": "custom", **value}
+def _untyped_loss(value: Any) -> Any:
+    """A table without `type`: a custom loss when it names `path` or `kwargs` (configs written before losses had a
+    type; the path defaults to the masked importance loss, as it always did), else the default loss."""
+    if isinstance(value, dict) and "type" not in value:
+        return {"type": "custom" if "path" in value or "kwargs" in value else "masked_importance", **value}
     return value
 
 
 LossConfig = Annotated[
     MaskedImportanceLoss | PPOClipLoss | GSPOLoss | CISPOLoss | CustomLoss,
     Field(discriminator="type"),
-    BeforeValidator(_custom_when_untyped),
+    BeforeValidator(_untyped_loss),
 ]
 
 

@@ -228,6 +228,9 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
         cfg = validate_stage(recipe, "rl", run_dir=run_dir, overrides=(overrides or {}).get("rl"))
     except RecipeError as e:
         raise PlanError(str(e)) from None
+    if cfg.teacher is not None:
+        raise PlanError("rl.teacher: launch does not start a teacher server yet; run distillation with `rl` on one "
+                        "machine")
     if cfg.weight_transfer != "filesystem":
         raise PlanError(f"rl.weight_transfer = {cfg.weight_transfer!r}: launch supports 'filesystem' (the run "
                         "directory is shared); other transfers across hosts are not wired yet")
