@@ -441,13 +441,16 @@ def _forget_what_is_redone(run_dir: Path, stream) -> None:
 
 
 def _prepare_model(cfg: RLConfig) -> None:
-    """Build or convert a registry model once here, so the processes that start next all find it cached."""
+    """Build or convert a registry model (and the teacher's) once here, so the processes that start next all find it
+    cached; a model that cannot be found is one line before anything starts."""
     from primerl.models import ModelError, resolve_model
 
-    try:
-        resolve_model(cfg.model.name, cfg.model.revision)
-    except ModelError as e:
-        raise LaunchError(str(e)) from None
+    for what, model in (("", cfg.model), ("teacher: ", cfg.teacher.model if cfg.teacher is not None else None)):
+        try:
+            if model is not None:
+                resolve_model(model.name, model.revision)
+        except ModelError as e:
+            raise LaunchError(f"{what}{e}") from None
 
 
 def _trained_steps(run_dir: Path) -> int:
