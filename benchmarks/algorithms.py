@@ -84,13 +84,18 @@ def check_configs(combinations: list[Combination]) -> None:
     """Resolve every run's config before anything starts (one bad key must not end an hour-long benchmark late)."""
     from primerl.config import load
     from primerl.config.rl import RLConfig
-    from primerl.recipes.run import stage_overrides
     from primerl.recipes.schema import load_recipe, validate_stage
 
     recipe = load_recipe(RECIPE)
     for combination in combinations:
-        overrides = stage_overrides(recipe, [f"--rl.{o}" for o in combination.overrides()])
-        validate_stage(recipe, "rl", overrides=overrides["rl"])
+        overrides: dict = {}
+        for option in combination.overrides():
+            *parents, leaf = option.split("=", 1)[0].split(".")
+            node = overrides
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = option.split("=", 1)[1]
+        validate_stage(recipe, "rl", overrides=overrides)
         load(RLConfig, ["@", str(TINY), *(f"--{o}" for o in combination.overrides())])
     load(RLConfig, ["@", str(DISTILL)])
 
