@@ -54,7 +54,7 @@ def summarize(rewards: Sequence[Sequence[float]], k: int, pass_threshold: float)
 
 def select_tasks(taskset: Any, count: int, seed: int) -> list[Any]:
     """`count` distinct tasks in the seeded order the orchestrator uses (all of them when the taskset is smaller)."""
-    from primerl.orchestrator.loop import TaskStream
+    from primerl.orchestrator.sampler import TaskStream
 
     stream = TaskStream(taskset, seed)
     return [stream.next()[1] for _ in range(min(count, len(stream) or count))]

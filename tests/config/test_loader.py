@@ -120,3 +120,51 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 def test_import_primerl_config_does_not_import_torch():
     code = "import sys, primerl.config, primerl.cli; assert 'torch' not in sys.modules, 'torch was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Tables chosen by `type` (the algorithm choices): files, overrides, help, errors
+
+
+def test_typed_tables_load_from_files_and_overrides_and_name_their_errors(tmp_path):
+    from primerl.config.loader import is_option
+    from primerl.config.rl import RLConfig
+
+    cfg_file = write(tmp_path / "rl.toml", """
+        [trainer.loss]
+        type = "ppo_clip"
+        clip_high = 0.3
+        [orchestrator.advantage]
+        type = "rloo"
+        [[orchestrator.filters]]
+        type = "equal_rewards"
+        tolerance = 0.01
+        [orchestrator.sampler]
+        type = "difficulty"
+        """)
+    cfg, _ = load(RLConfig, ["@", str(cfg_file), "--trainer.loss.clip_low=0.1", "--orchestrator.sampler.solved_at=0.9"])
+    assert (cfg.trainer.loss.type, cfg.trainer.loss.clip_low, cfg.trainer.loss.clip_high) == ("ppo_clip", 0.1, 0.3)
+    assert cfg.orchestrator.advantage.type == "rloo" and cfg.orchestrator.sampler.solved_at == 0.9
+    assert [(f.type, f.tolerance) for f in cfg.orchestrator.filters] == [("equal_rewards", 0.01)]
+    # a recipe's stage overrides are checked against the options of every type
+    assert is_option(RLConfig, "trainer.loss.type") and is_option(RLConfig, "trainer.loss.clip_high")
+    assert not is_option(RLConfig, "trainer.loss.clip_hihg")
+    with pytest.raises(ConfigError) as e:
+        load(RLConfig, ["@", str(cfg_file), "--trainer.loss.type=gspo", "--trainer.loss.pos_ratio_low=0.1"])
+    assert "unknown key 'trainer.loss.pos_ratio_low'" in str(e.value) and "(type = 'gspo')" in str(e.value)
+    with pytest.raises(ConfigError, match="unknown key 'orchestrator.sampler.easy_weigth'.*did you mean "
+                                         "'orchestrator.sampler.easy_weight'"):
+        load(RLConfig, ["@", str(cfg_file), "--orchestrator.sampler.easy_weigth=1"])
+
+
+def test_help_lists_each_type_with_its_options():
+    from primerl.config.cli import field_help
+    from primerl.config.trainer import TrainerConfig
+
+    lines = field_help(TrainerConfig)
+    start = next(i for i, line in enumerate(lines) if line.startswith("  [loss]"))
+    assert "(default type 'masked_importance')" in lines[start]
+    gspo = next(i for i, line in enumerate(lines) if line.startswith("    type = gspo:"))
+    assert lines[gspo + 1].startswith("  --loss.normalize ")
+    assert any(line.startswith("  --loss.clip_low  float  (default 0.0003)") for line in lines[gspo:gspo + 6])
+    assert not any(line.startswith("  --loss.type ") for line in lines)

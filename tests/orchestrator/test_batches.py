@@ -10,8 +10,9 @@ import pytest
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import read_metrics
 from primerl.orchestrator.client import InferencePool
-from primerl.orchestrator.loop import Orchestrator, PolicyTracker, TaskStream, score_group
+from primerl.orchestrator.loop import Orchestrator, PolicyTracker, score_group
 from primerl.orchestrator.rollouts import Sample
+from primerl.orchestrator.sampler import TaskStream
 from primerl.transport.rollouts import read_batch
 
 
@@ -37,7 +38,7 @@ def drawn(orchestrator, scored, draw: int | None = None):
 
 def group(task: str, rewards: list[float], versions=(0, 0), orchestrator=None, segments=(), draw: int | None = None):
     samples = [sample(f"{task}-{i}", r, versions, segments=segments) for i, r in enumerate(rewards)]
-    return drawn(orchestrator, score_group(task, samples, orchestrator.advantage_fn, seconds=0.1), draw)
+    return drawn(orchestrator, score_group(task, samples, orchestrator.algorithm.scorer, seconds=0.1), draw)
 
 
 def batch_advantages(path) -> list[float]:
@@ -103,7 +104,7 @@ def test_steps_take_groups_in_draw_order_not_in_the_order_they_finish(orchestrat
 def test_zero_advantage_groups_are_dropped_until_the_cap_then_kept(orchestrator, tmp_path):
     o = orchestrator(advantage={"max_extra_groups": 1})
     o._collect(group("perfect", [1.0, 1.0], orchestrator=o))
-    assert not o.ready and o.stats.groups_dropped_zero_advantage == 1
+    assert not o.ready and o.stats.groups_dropped == {"zero_advantage": 1}
     o._collect(group("hopeless", [0.0, 0.0], orchestrator=o))  # cap reached: kept
     o._collect(group("mixed", [0.0, 1.0], orchestrator=o))
     assert o._take_fresh_groups() == 0
@@ -151,7 +152,7 @@ def test_failed_rollouts_score_but_never_reach_the_batch_nor_the_baseline(orches
     o = orchestrator()
     # x-0 failed after sampling tokens: its reward (0) is no evidence about the policy
     broken = drawn(o, score_group("x", [sample("x-0", 0.0, error="ProviderError: boom"), sample("x-1", 1.0),
-                                        sample("x-2", 0.0)], o.advantage_fn, 0.1))
+                                        sample("x-2", 0.0)], o.algorithm.scorer, 0.1))
     assert broken.advantages == pytest.approx({"x-1": 0.5, "x-2": -0.5})
     o._collect(broken)
     o._collect(group("y", [0.0, 1.0], orchestrator=o))
@@ -167,7 +168,7 @@ def test_a_group_that_lost_stale_samples_is_scored_again_over_the_rest(orchestra
     o.progress.next_step = 3
     samples = [sample("m-0", 1.0, versions=(1, 2)), sample("m-1", 0.0, versions=(2, 3)),
                sample("m-2", 0.5, versions=(2, 3))]  # m-0 is older than 3 - 1: dropped
-    o._collect(drawn(o, score_group("m", samples, o.advantage_fn, 0.1)))
+    o._collect(drawn(o, score_group("m", samples, o.algorithm.scorer, 0.1)))
     o._collect(group("n", [0.0, 1.0], versions=(3, 3), orchestrator=o))
     assert o._take_fresh_groups() == 3
     # over m-1 and m-2 alone the mean is 0.25; with the dropped m-0 it was 0.5 (advantages -0.5 and 0)
@@ -177,7 +178,7 @@ def test_a_group_that_lost_stale_samples_is_scored_again_over_the_rest(orchestra
 def test_a_sample_longer_than_seq_len_is_left_out_and_counted(orchestrator, tmp_path):
     o = orchestrator()  # seq_len 16
     long = drawn(o, score_group("l", [sample("l-0", 1.0, tokens=17), sample("l-1", 0.0), sample("l-2", 0.5)],
-                                o.advantage_fn, 0.1))
+                                o.algorithm.scorer, 0.1))
     o._collect(long)
     o._collect(group("s", [0.0, 1.0], orchestrator=o))
     assert o._take_fresh_groups() == 0
@@ -192,4 +193,4 @@ def test_a_run_of_entirely_failed_groups_stops_the_orchestrator(orchestrator):
     o = orchestrator()
     with pytest.raises(RuntimeError, match="boom"):
         for i in range(100):
-            o._collect(score_group(f"t{i}", [sample(f"{i}", 0.0, tokens=0, error="boom")], o.advantage_fn, 0.1))
+            o._collect(score_group(f"t{i}", [sample(f"{i}", 0.0, tokens=0, error="boom")], o.algorithm.scorer, 0.1))

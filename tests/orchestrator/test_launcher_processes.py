@@ -193,6 +193,21 @@ def test_each_process_gets_its_gpus_and_the_trainer_one_rank_per_gpu(tmp_path, n
     assert "PRIMERL_ADMIN_TOKEN" not in processes["trainer"].env
 
 
+@pytest.mark.parametrize("num_gpus", [0, 2])
+def test_a_teacher_is_a_second_server_on_the_inference_devices_that_the_orchestrator_is_told_of(tmp_path, num_gpus):
+    processes = plan(tmp_path, num_gpus, "--orchestrator.advantage.type=distill", "--teacher.model.name=tiny",
+                     "--teacher.served_model_name=teacher")
+    assert list(processes) == ["inference", "orchestrator", "trainer", "teacher"]
+    teacher = processes["teacher"]
+    assert list(teacher.argv)[-3:] == ["inference", "@", str(tmp_path / "run" / "config" / "teacher.toml")]
+    assert teacher.env["CUDA_VISIBLE_DEVICES"] == processes["inference"].env["CUDA_VISIBLE_DEVICES"]
+    served, _ = load(InferenceConfig, ["@", str(tmp_path / "run" / "config" / "teacher.toml")])
+    orchestrator, _ = load(OrchestratorConfig, ["@", str(tmp_path / "run" / "config" / "orchestrator.toml")])
+    assert orchestrator.teacher.base_url == f"http://127.0.0.1:{served.port}" and served.port > 0
+    assert orchestrator.teacher.model == "teacher" and served.served_model_name == "teacher"
+    assert "teacher" not in plan(tmp_path / "plain", num_gpus)
+
+
 def test_on_the_cpu_the_trainer_warms_up_on_a_row_of_seq_len_before_its_first_batch(tmp_path):
     def trainer_config(where):
         return load(TrainerConfig, ["@", str(where / "run" / "config" / "trainer.toml")])[0]

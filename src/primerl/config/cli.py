@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import pydantic
 
-from primerl.config.loader import ConfigError, load, to_toml
+from primerl.config.loader import ConfigError, load, table_types, to_toml, union_tag
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -29,14 +29,24 @@ def _type_name(ann: Any) -> str:
 
 
 def field_help(model: type[pydantic.BaseModel], prefix: str = "") -> list[str]:
-    """One line per leaf option: `--a.b  TYPE  (default X)  description`."""
+    """One line per leaf option: `--a.b  TYPE  (default X)  description`; a table chosen by `type` lists each
+    choice's options under a line naming it."""
     lines = []
     for name, info in model.model_fields.items():
         ann = info.annotation
+        tables = table_types(ann)
         if isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
             if info.description:
                 lines.append(f"  [{prefix}{name}]  {info.description}")
             lines.extend(field_help(ann, f"{prefix}{name}."))
+            continue
+        if len(tables) > 1 and all(union_tag(t) for t in tables):
+            default = info.get_default(call_default_factory=True)
+            lines.append(f"  [{prefix}{name}]  {info.description or ''}  (default type {union_tag(type(default))!r})")
+            for table in tables:
+                lines.append(f"    type = {union_tag(table)}: {(table.__doc__ or '').strip().splitlines()[0]}")
+                lines.extend(line for line in field_help(table, f"{prefix}{name}.")
+                             if not line.startswith(f"  --{prefix}{name}.type "))
             continue
         default = "required" if info.is_required() else f"default {info.get_default(call_default_factory=True)!r}"
         desc = f"  {info.description}" if info.description else ""

@@ -15,6 +15,7 @@ import difflib
 import json
 import os
 import tomllib
+import types
 import typing
 from collections.abc import Mapping, Sequence
 from contextvars import ContextVar
@@ -222,11 +223,10 @@ def bool_fields(model: type[pydantic.BaseModel], prefix: str = "") -> set[str]:
     """Dotted names of all boolean fields, so `--flag` needs no value."""
     out: set[str] = set()
     for name, info in model.model_fields.items():
-        ann = info.annotation
-        if ann is bool:
+        if info.annotation is bool:
             out.add(prefix + name)
-        elif isinstance(ann, type) and issubclass(ann, pydantic.BaseModel):
-            out |= bool_fields(ann, f"{prefix}{name}.")
+        for table in table_types(info.annotation):
+            out |= bool_fields(table, f"{prefix}{name}.")
     return out
 
 
@@ -256,12 +256,22 @@ def build_layers(
     return layers
 
 
-def _table_type(annotation: Any) -> type[pydantic.BaseModel] | None:
-    """The config table a field holds (`Section`, or `Section | None`), else None."""
-    for candidate in (annotation, *typing.get_args(annotation)):
-        if isinstance(candidate, type) and issubclass(candidate, pydantic.BaseModel):
-            return candidate
-    return None
+def table_types(annotation: Any) -> list[type[pydantic.BaseModel]]:
+    """The config tables a field holds: one (`Section`, `Section | None`), several (a union of sections selected by
+    their `type`), or none (any other value, lists of tables included)."""
+    if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+        return [annotation]
+    out: list[type[pydantic.BaseModel]] = []
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType, typing.Annotated):
+        for member in typing.get_args(annotation):
+            out += [table for table in table_types(member) if table not in out]
+    return out
+
+
+def union_tag(table: type[pydantic.BaseModel]) -> str | None:
+    """The `type` that selects `table` in a union of tables (its `type` field's default), else None."""
+    info = table.model_fields.get("type")
+    return info.default if info is not None and isinstance(info.default, str) else None
 
 
 def _free_form(annotation: Any) -> bool:
@@ -271,29 +281,25 @@ def _free_form(annotation: Any) -> bool:
 
 def option_names(model: type[pydantic.BaseModel], prefix: str = "") -> list[str]:
     """Every leaf option of a config, dotted (`trainer.optim.lr`)."""
-    out = []
+    out: list[str] = []
     for name, info in model.model_fields.items():
-        table = _table_type(info.annotation)
-        out += option_names(table, f"{prefix}{name}.") if table is not None else [prefix + name]
+        tables = table_types(info.annotation)
+        for option in [o for t in tables for o in option_names(t, f"{prefix}{name}.")] or [prefix + name]:
+            if option not in out:
+                out.append(option)
     return out
 
 
 def is_option(model: type[pydantic.BaseModel], dotted: str) -> bool:
     """Whether `dotted` names an option or a table of `model`, or a key inside one of its free-form tables."""
-    node: type[pydantic.BaseModel] = model
-    parts = dotted.split(".")
-    for i, part in enumerate(parts):
-        info = node.model_fields.get(part)
-        if info is None:
-            return node.model_config.get("extra") == "allow"
-        last = i == len(parts) - 1
-        table = _table_type(info.annotation)
-        if table is None:
-            return last or _free_form(info.annotation)
-        if last:
-            return True
-        node = table
-    return True
+    head, _, rest = dotted.partition(".")
+    info = model.model_fields.get(head)
+    if info is None:
+        return model.model_config.get("extra") == "allow"
+    tables = table_types(info.annotation)
+    if not tables:
+        return not rest or _free_form(info.annotation)
+    return not rest or any(is_option(table, rest) for table in tables)
 
 
 def closest_option(model: type[pydantic.BaseModel], dotted: str) -> str | None:
@@ -315,12 +321,17 @@ def describe_validation_error(e: pydantic.ValidationError, layers: Layers,
     `model`, the option it is closest to)."""
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"])
+        loc, tags = _without_union_tags(model, list(err["loc"])) if model is not None else (err["loc"], [])
+        key = ".".join(str(p) for p in loc)
         src = _source_for(key, layers.origin)
         where = f" (from {src})" if src else ""
+        where += "".join(f" (type = {tag!r})" for tag in tags)
         if err["type"] == "extra_forbidden":
             close = closest_option(model, key) if model is not None else None
-            lines.append(f"unknown key '{key}'{where}" + (f"; did you mean '{close}'?" if close else ""))
+            hint = f"; did you mean '{close}'?" if close and close != key else ""
+            if close == key:
+                hint = f"; it is an option of another type than {tags[-1]!r}" if tags else ""
+            lines.append(f"unknown key '{key}'{where}{hint}")
         elif err["type"] == "missing":
             lines.append(f"missing required key '{key}'")
         else:
@@ -328,6 +339,33 @@ def describe_validation_error(e: pydantic.ValidationError, layers: Layers,
             shown = "" if isinstance(got, dict) else f", got {got!r}"
             lines.append(f"'{key}': {err['msg']}{shown}{where}")
     return "; ".join(lines)
+
+
+def _without_union_tags(model: type[pydantic.BaseModel], loc: list[Any]) -> tuple[list[Any], list[str]]:
+    """pydantic names the member of a union of tables in an error's location (`loss.gspo.clip_low`): the location
+    as the user wrote it (`loss.clip_low`), and the members named."""
+    out: list[Any] = []
+    tags: list[str] = []
+    node: type[pydantic.BaseModel] | None = model
+    rest = list(loc)
+    while rest:
+        part = rest.pop(0)
+        out.append(part)
+        info = node.model_fields.get(part) if node is not None and isinstance(part, str) else None
+        if info is None:
+            node = None
+            continue
+        tables = table_types(info.annotation)
+        if not tables and typing.get_origin(info.annotation) is list and rest and isinstance(rest[0], int):
+            out.append(rest.pop(0))
+            tables = table_types(typing.get_args(info.annotation)[0])
+        by_tag = {union_tag(t): t for t in tables} if len(tables) > 1 else {}
+        if rest and rest[0] in by_tag:
+            tags.append(rest[0])
+            node = by_tag[rest.pop(0)]
+        else:
+            node = tables[0] if len(tables) == 1 else None
+    return out, tags
 
 
 def _source_for(key: str, origin: Mapping[str, str]) -> str | None:

@@ -1,4 +1,5 @@
-"""Config of `primerl orchestrator`: which environment, how many rollouts per step, advantages, the async bound."""
+"""Config of `primerl orchestrator`: which environment, how many rollouts per step, the algorithm choices (advantage,
+shaping, filters, task sampler, teacher: `primerl.config.algorithms`), the async bound."""
 
 from __future__ import annotations
 
@@ -7,6 +8,17 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 
+from primerl.config.algorithms import (
+    AdvantageConfig,
+    DrGRPOAdvantage,
+    FilterConfig,
+    SamplerConfig,
+    ShapingConfig,
+    TeacherSection,
+    UniformSampler,
+    ZeroAdvantageFilter,
+    move_legacy_filter_keys,
+)
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig, WandbConfig
 
@@ -128,25 +140,11 @@ class BatchSection(Section):
     max_concurrent_groups: int | None = Field(
         None, ge=1, description="groups in flight at most (None: as many as the async bound allows)"
     )
-
-
-class AdvantageSection(Section):
-    """How rewards become advantages, and which groups are worth training on."""
-
-    path: str = Field(
-        "primerl.orchestrator.advantages:group_mean_baseline",
-        description="import path module:function; built-ins: group_mean_baseline (reward - group mean), grpo "
-        "(also divided by the group std)",
-    )
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the function")
-    drop_zero_advantage: bool = Field(
-        True, description="drop groups whose advantages are all zero (no learning signal) and sample new tasks"
-    )
     max_extra_groups: int | None = Field(
         None,
         ge=0,
-        description="extra groups one step may sample to replace dropped ones before it keeps zero-advantage groups "
-        "(None: tasks_per_step)",
+        description="extra groups one step may sample to replace groups the filters dropped, before it keeps such "
+        "groups (None: tasks_per_step)",
     )
 
 
@@ -171,7 +169,26 @@ class OrchestratorConfig(ProcessConfig):
     )
     sampling: SamplingSection = Field(default_factory=SamplingSection, description="sampling")
     batch: BatchSection = Field(default_factory=BatchSection, description="batch size and packing")
-    advantage: AdvantageSection = Field(default_factory=AdvantageSection, description="advantages and filtering")
+    advantage: AdvantageConfig = Field(
+        default_factory=DrGRPOAdvantage,
+        description="advantage estimator, by `type`: dr_grpo, grpo, rloo, reinforce, distill, custom "
+        "(docs/algorithms.md)",
+    )
+    shaping: list[ShapingConfig] = Field(
+        default_factory=list, description="reward shaping applied in order before the advantage: overlong, "
+        "length_penalty"
+    )
+    filters: list[FilterConfig] = Field(
+        default_factory=lambda: [ZeroAdvantageFilter()],
+        description="groups dropped and replaced by new tasks (up to batch.max_extra_groups per step): "
+        "zero_advantage, equal_rewards",
+    )
+    sampler: SamplerConfig = Field(
+        default_factory=UniformSampler, description="which tasks are drawn, by `type`: uniform, difficulty"
+    )
+    teacher: TeacherSection = Field(
+        default_factory=TeacherSection, description="the teacher server of advantage.type = 'distill'"
+    )
     max_steps: int | None = Field(None, ge=1, description="write this many batches, then exit (None: run on)")
     max_async_steps: int = Field(
         1,
@@ -197,6 +214,18 @@ class OrchestratorConfig(ProcessConfig):
     )
     resume: bool = Field(False, description="continue from the newest orchestrator checkpoint in run_dir")
     wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases logging (off by default)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_filter_keys(cls, data: Any) -> Any:
+        return move_legacy_filter_keys(data)
+
+    @model_validator(mode="after")
+    def _distill_needs_a_teacher(self) -> OrchestratorConfig:
+        if self.advantage.type == "distill" and not (self.teacher.base_url and self.teacher.model):
+            raise ValueError("advantage.type = 'distill' needs teacher.base_url and teacher.model (rl sets them when "
+                             "the config names a [teacher])")
+        return self
 
     @model_validator(mode="after")
     def _bounds(self) -> OrchestratorConfig:

@@ -27,6 +27,7 @@ from typing import Any
 import pydantic
 from pydantic import Field, create_model, model_validator
 
+from primerl.config.algorithms import move_legacy_filter_keys
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig, WandbConfig
 from primerl.config.inference import InferenceConfig
@@ -40,15 +41,20 @@ from primerl.transport.weight_transfer.modes import WeightTransfer, transfer_mod
 INFERENCE_SHARED = {"model", "seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
 ORCHESTRATOR_SHARED = {
     "run_dir", "model", "served_model_name", "seed", "max_steps", "max_async_steps", "resume", "admin_token",
-    "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks", "wandb",
+    "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks", "wandb", "teacher",
 }
 TRAINER_SHARED = {
     "run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
     "wandb",
 }
+# The teacher server's keys that `rl` sets itself (its seed is the run's; no weights ever reach it; its admin token
+# is its own).
+TEACHER_EXCLUDED = {"seed", "admin_token", "admin_token_file", "weight_transfer", "weight_broadcast"}
 # What `process_configs` puts in for `trainer.weights.broadcast.port = 0` when the caller names no port: validation
 # only needs some port, and must not hold one.
 _UNBOUND_PORT = 1
+# The teacher's URL while it is not known (config validation, the checklist): nothing connects to it.
+_UNBOUND_TEACHER_URL = "http://127.0.0.1:0"
 
 
 def section_of(config: type[pydantic.BaseModel], exclude: set[str], name: str,
@@ -76,6 +82,9 @@ InferenceSection = section_of(
     InferenceConfig, INFERENCE_SHARED, "InferenceSection", defaults={"port": 0}
 )
 OrchestratorSection = section_of(OrchestratorConfig, ORCHESTRATOR_SHARED, "OrchestratorSection")
+TeacherSection = section_of(InferenceConfig, TEACHER_EXCLUDED, "TeacherSection", defaults={"port": 0})
+TeacherSection.__doc__ = ("The teacher of on-policy distillation (orchestrator.advantage.type = 'distill'): `rl` serves "
+                          "this model from a second inference server, on the inference server's devices.")
 TrainerSection = section_of(TrainerConfig, TRAINER_SHARED, "TrainerSection")
 
 
@@ -148,6 +157,9 @@ class RLConfig(ProcessConfig):
     inference: InferenceSection = Field(default_factory=InferenceSection, description="the inference server")
     orchestrator: OrchestratorSection = Field(default_factory=OrchestratorSection, description="the orchestrator")
     trainer: TrainerSection = Field(default_factory=TrainerSection, description="the trainer")
+    teacher: TeacherSection | None = Field(
+        None, description="the teacher server of orchestrator.advantage.type = 'distill' (its model.name is required)"
+    )
     shutdown_grace_s: float = Field(20.0, gt=0, description="on stop, wait this long before killing a process")
     preload: bool = Field(
         True, description="on a CPU-only run (embedded engine, one trainer rank, Linux), the launcher imports torch and "
@@ -158,6 +170,26 @@ class RLConfig(ProcessConfig):
         1, ge=0, description="weight snapshots a finished run keeps, newest first: 1 = the trained model only (a "
         "resume needs only the checkpoints); 0 = leave weights/ as trainer.weights.keep_last left it"
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_filter_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "orchestrator" in data:
+            data = {**data, "orchestrator": move_legacy_filter_keys(data["orchestrator"])}
+        return data
+
+    @model_validator(mode="after")
+    def _teacher_for_distillation(self) -> RLConfig:
+        distill = self.orchestrator.advantage.type == "distill"
+        if distill and self.teacher is None:
+            raise ValueError("orchestrator.advantage.type = 'distill' needs a [teacher] (teacher.model.name = the "
+                             "model to distil from)")
+        if self.teacher is not None and not distill:
+            raise ValueError("a [teacher] is set but orchestrator.advantage.type is not 'distill': nothing would use "
+                             "it")
+        if self.teacher is not None and "model" not in self.teacher.model_fields_set:
+            raise ValueError("teacher.model.name is required: the model to distil from")
+        return self
 
     @model_validator(mode="after")
     def _processes_valid(self) -> RLConfig:
@@ -266,11 +298,13 @@ class RLConfig(ProcessConfig):
             )
 
     def process_configs(
-        self, devices: DeviceAssignment, base_url: str, broadcast_port: int | None = None
+        self, devices: DeviceAssignment, base_url: str, broadcast_port: int | None = None,
+        teacher_url: str | None = None,
     ) -> tuple[InferenceConfig, OrchestratorConfig, TrainerConfig]:
         """The three process configs, with the shared keys and launcher facts filled in. Every field is passed
         explicitly, so nothing from the environment leaks in. `broadcast_port` is the weight group's port when
-        `trainer.weights.broadcast.port` is 0 (None: a free port of this host, picked now)."""
+        `trainer.weights.broadcast.port` is 0 (None: a free port of this host, picked now); `teacher_url` is the
+        teacher server's root URL when there is a [teacher] (None: not known yet, a placeholder)."""
         model = self.model.model_dump()
         inference = self.inference.model_dump()
         inference.update(model=model, seed=self.seed)
@@ -285,6 +319,9 @@ class RLConfig(ProcessConfig):
             served_model_name=self.inference.served_model_name,
         )
         orchestrator["client"]["base_url"] = base_url
+        if self.teacher is not None:
+            orchestrator["teacher"] = {"base_url": teacher_url or _UNBOUND_TEACHER_URL,
+                                       "model": self.teacher.served_model_name or self.teacher.model.name}
         orchestrator["batch"].update(seq_len=self.seq_len, num_ranks=devices.trainer_ranks)
         if orchestrator["batch"]["share_prompts"] is None:
             attention = self.trainer.train.attention
@@ -311,6 +348,23 @@ class RLConfig(ProcessConfig):
         finally:
             FILE_LAYER.reset(token)
 
+
+    def teacher_config(self, devices: DeviceAssignment) -> InferenceConfig | None:
+        """The teacher server's config (None without a [teacher]): the run's seed; on a CPU-only run as many engine
+        threads as the policy server's unless `teacher.threads` is set."""
+        if self.teacher is None:
+            return None
+        teacher = self.teacher.model_dump()
+        teacher["seed"] = self.seed
+        if not devices.inference and not devices.trainer and teacher["threads"] is None and teacher["engine"] == "hf":
+            teacher["threads"] = cpu_thread_split(usable_cpus())[0]
+        token = FILE_LAYER.set({})
+        try:
+            return InferenceConfig(**teacher)
+        except pydantic.ValidationError as e:
+            raise ValueError("teacher: " + _one_line(e)) from None
+        finally:
+            FILE_LAYER.reset(token)
 
     def _share_weight_transfer(self, inference: dict[str, Any], trainer: dict[str, Any],
                                broadcast_port: int | None) -> None:

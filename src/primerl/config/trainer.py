@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig, WandbConfig
@@ -138,11 +138,102 @@ class WeightsConfig(Section):
         return self
 
 
-class LossConfig(Section):
-    """The RL loss: `path` names a callable `module:function`, called with the batch tensors and `kwargs`."""
+Normalize = Literal["token", "sequence", "constant"]
 
+
+class _BuiltinLoss(Section):
+    """What every built-in loss shares: how its per-token terms are summed into the step's loss (docs/algorithms.md)."""
+
+    normalize: Normalize = Field(
+        "token",
+        description="token = the mean over every loss token of the step; sequence = the mean over samples of each "
+        "sample's mean; constant = the sum over each sample's tokens divided by normalize_tokens, averaged over "
+        "samples (Dr. GRPO)",
+    )
+    normalize_tokens: int | None = Field(
+        None, ge=1, description="normalize = constant: the divisor of each sample's token sum (e.g. max_tokens)"
+    )
+
+    @model_validator(mode="after")
+    def _constant_needs_tokens(self):
+        if self.normalize == "constant" and self.normalize_tokens is None:
+            raise ValueError("normalize = 'constant' needs normalize_tokens (e.g. the sampling max_tokens)")
+        return self
+
+
+class MaskedImportanceLoss(_BuiltinLoss):
+    """Token-level importance-weighted policy gradient that masks tokens whose ratio p/q left its band (default)."""
+
+    type: Literal["masked_importance"] = "masked_importance"
+    pos_ratio_low: float = Field(0.125, ge=0, le=1, description="A >= 0: tokens with p/q below this are masked")
+    pos_ratio_high: float = Field(8.0, ge=1, description="A >= 0: tokens with p/q above this are masked")
+    neg_ratio_low: float = Field(0.125, ge=0, le=1, description="A < 0: tokens with p/q below this are masked")
+    neg_ratio_high: float = Field(8.0, ge=1, description="A < 0: tokens with p/q above this are masked")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the mismatch KL to the sampling policy (k3)")
+
+
+class PPOClipLoss(_BuiltinLoss):
+    """PPO's clipped surrogate with the sampling policy as the old policy; asymmetric clip (clip-higher)."""
+
+    type: Literal["ppo_clip"] = "ppo_clip"
+    clip_low: float = Field(0.2, ge=0, lt=1, description="the ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(0.28, ge=0, description="the ratio is clipped above at 1 + clip_high (DAPO's 0.28)")
+    kl_coef: float = Field(0.0, ge=0, description="weight of the mismatch KL to the sampling policy (k3)")
+
+
+class GSPOLoss(_BuiltinLoss):
+    """GSPO: PPO's clipped surrogate on the sequence-level ratio (the geometric mean of the tokens' ratios)."""
+
+    type: Literal["gspo"] = "gspo"
+    clip_low: float = Field(3e-4, ge=0, lt=1, description="the sequence ratio is clipped below at 1 - clip_low")
+    clip_high: float = Field(4e-4, ge=0, description="the sequence ratio is clipped above at 1 + clip_high")
+    normalize: Normalize = Field("sequence", description=_BuiltinLoss.model_fields["normalize"].description)
+
+
+class CISPOLoss(_BuiltinLoss):
+    """CISPO: REINFORCE on every token, weighted by the clipped importance ratio with its gradient stopped."""
+
+    type: Literal["cispo"] = "cispo"
+    clip_low: float = Field(1.0, ge=0, le=1, description="the weight is clipped below at 1 - clip_low (1: no bound)")
+    clip_high: float = Field(0.28, ge=0, description="the weight is clipped above at 1 + clip_high")
+
+
+class CustomLoss(Section):
+    """Your own loss: `path` names a callable `module:function`, called with the batch tensors and `kwargs`."""
+
+    type: Literal["custom"] = "custom"
     path: str = Field("primerl.trainer.loss:masked_importance_loss", description="import path module:callable")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the loss")
+
+
+def _untyped_loss(value: Any) -> Any:
+    """A table without `type`: a custom loss when it names `path` or `kwargs` (configs written before losses had a
+    type; the path defaults to the masked importance loss, as it always did), else the default loss."""
+    if isinstance(value, dict) and "type" not in value:
+        return {"type": "custom" if "path" in value or "kwargs" in value else "masked_importance", **value}
+    return value
+
+
+LossConfig = Annotated[
+    MaskedImportanceLoss | PPOClipLoss | GSPOLoss | CISPOLoss | CustomLoss,
+    Field(discriminator="type"),
+    BeforeValidator(_untyped_loss),
+]
+
+
+class ReferenceConfig(Section):
+    """A KL penalty to a frozen copy of the initial policy, whose log-probs the trainer computes itself."""
+
+    kl_coef: float = Field(0.0, ge=0, description="weight of the KL to the reference model (0: no reference model)")
+    estimator: Literal["k3", "k2", "k1"] = Field(
+        "k3",
+        description="per-token estimate of KL(p || ref) from tokens sampled by p: k3 = e^-d - 1 + d (non-negative, "
+        "GRPO's), k2 = d^2 / 2, k1 = d, with d = log p - log ref",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.kl_coef > 0
 
 
 class RolloutDataConfig(Section):
@@ -165,7 +256,11 @@ class TrainerConfig(ProcessConfig):
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters")
     optim: OptimizerConfig = Field(default_factory=OptimizerConfig, description="AdamW")
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description="learning-rate schedule")
-    loss: LossConfig = Field(default_factory=LossConfig, description="RL loss")
+    loss: LossConfig = Field(
+        default_factory=MaskedImportanceLoss,
+        description="RL loss, by `type`: masked_importance, ppo_clip, gspo, cispo, custom (docs/algorithms.md)",
+    )
+    reference: ReferenceConfig = Field(default_factory=ReferenceConfig, description="KL to the frozen initial policy")
     data: RolloutDataConfig = Field(default_factory=RolloutDataConfig, description="batches")
     ckpt: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     weights: WeightsConfig = Field(default_factory=WeightsConfig, description="weight export for inference")

@@ -38,6 +38,7 @@ from primerl.inference.protocol import (
     GenerateLogprobs,
     GenerateRequest,
     GenerateResponse,
+    PromptLogprob,
     RequestModel,
     SamplingFields,
     TokenIdLogprob,
@@ -311,11 +312,16 @@ class Completions:
         if (bad := next((t for t in req.token_ids if not 0 <= t < vocab), None)) is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="token_ids")
         sp = req.sampling_params
-        params = self.engine_params(sp, len(req.token_ids), sp.max_tokens, "token_ids", sp.stop_token_ids or ())
         request_id = req.request_id or f"gen-{uuid.uuid4().hex}"
         started = time.perf_counter()
-        streams = self.start_streams(req.token_ids, params, f"{request_id}-{uuid.uuid4().hex[:8]}")
-        samples = await asyncio.gather(*(_collect(s) for s in streams))
+        prompt_logprobs = None if sp.prompt_logprobs is None else await self._prompt_logprobs(req.token_ids)
+        if sp.max_tokens == 0:  # scoring only
+            finish = Finish("length", (self.engine.policy_version,) * 2, len(req.token_ids), 0)
+            samples = [Sample(finish=finish) for _ in range(sp.n)]
+        else:
+            params = self.engine_params(sp, len(req.token_ids), sp.max_tokens, "token_ids", sp.stop_token_ids or ())
+            streams = self.start_streams(req.token_ids, params, f"{request_id}-{uuid.uuid4().hex[:8]}")
+            samples = await asyncio.gather(*(_collect(s) for s in streams))
         choices = [
             GenerateChoice(
                 index=index,
@@ -336,8 +342,21 @@ class Completions:
         ]
         usage = _usage(len(req.token_ids), samples)
         self._log_done("generate", request_id, usage, started, samples)
-        body = GenerateResponse(request_id=request_id, prompt_token_ids=req.token_ids, choices=choices, usage=usage)
+        body = GenerateResponse(request_id=request_id, prompt_token_ids=req.token_ids, choices=choices, usage=usage,
+                                prompt_logprobs=prompt_logprobs)
         return JSONResponse(body.model_dump(mode="json"), headers=self.version_headers())
+
+    async def _prompt_logprobs(self, token_ids: list[int]) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's `prompt_logprobs` of `token_ids`: None for the first token, then {"<id>": {"logprob": x}}."""
+        if len(token_ids) > self.engine.max_model_len:
+            raise context_length_error(len(token_ids), self.engine.max_model_len, "token_ids")
+        try:
+            logprobs = await self.engine.prompt_logprobs(token_ids)
+        except NotImplementedError as e:
+            raise APIError(400, str(e), param="sampling_params.prompt_logprobs") from None
+        except RuntimeError as e:
+            raise APIError(503, str(e), type="service_unavailable", code="engine_unavailable") from None
+        return [None] + [{str(t): PromptLogprob(logprob=lp)} for t, lp in zip(token_ids[1:], logprobs, strict=True)]
 
     # ---- logging
 

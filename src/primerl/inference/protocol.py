@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Client strings
@@ -295,11 +295,22 @@ class ChatCompletionChunk(ResponseModel):
 
 class GenerateSamplingParams(SamplingFields):
     """The vLLM sampling fields this engine honours. `skip_special_tokens` is accepted for compatibility and has no
-    effect: this route returns token ids, never text."""
+    effect: this route returns token ids, never text. `prompt_logprobs` (any value >= 0; the engine records no
+    alternatives, so each position carries the prompt token's own log-prob only) asks for the log-prob of every
+    prompt token given the ones before it, under the model's untempered distribution; with it, `max_tokens` may be
+    0: score the tokens, sample nothing."""
 
+    max_tokens: int | None = Field(None, ge=0, description="null = up to the context length; 0 needs prompt_logprobs")
     stop_token_ids: list[int] | None = None
     logprobs: int | None = Field(None, ge=0)
+    prompt_logprobs: int | None = Field(None, ge=0)
     skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _zero_tokens_only_to_score(self) -> GenerateSamplingParams:
+        if self.max_tokens == 0 and self.prompt_logprobs is None:
+            raise ValueError("max_tokens = 0 samples nothing: it needs prompt_logprobs (score the tokens)")
+        return self
 
 
 class GenerateRequest(RequestModel):
@@ -327,11 +338,21 @@ class GenerateChoice(ResponseModel):
     token_policy_versions: list[int] = Field(description="the policy version that sampled each of `token_ids`")
 
 
+class PromptLogprob(ResponseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class GenerateResponse(ResponseModel):
     request_id: str
     prompt_token_ids: list[int]
     choices: list[GenerateChoice]
     usage: Usage
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = Field(
+        None, description="with sampling_params.prompt_logprobs: per prompt token, {'<id>': {'logprob': x}} (None for "
+        "the first token, which nothing precedes)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

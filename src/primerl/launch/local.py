@@ -134,9 +134,14 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
     file and environment (its GPUs in CUDA_VISIBLE_DEVICES, NVLink multicast off, the admin token where needed)."""
     host = cfg.inference.host
     port = cfg.inference.port or free_port(host)
-    url_host = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+    url_host = _url_host(host)
     cfg = cfg.with_devices(devices)
-    inference, orchestrator, trainer = cfg.process_configs(devices, base_url=f"http://{url_host}:{port}")
+    teacher = cfg.teacher_config(devices)
+    if teacher is not None:
+        teacher.port = teacher.port or free_port(teacher.host)
+    teacher_url = f"http://{_url_host(teacher.host)}:{teacher.port}" if teacher is not None else None
+    inference, orchestrator, trainer = cfg.process_configs(devices, base_url=f"http://{url_host}:{port}",
+                                                           teacher_url=teacher_url)
     inference.port = port
     config_dir = run_dir / "config"
     write_process_config(config_dir / "inference.toml", inference, exclude={"admin_token", "admin_token_file"})
@@ -154,7 +159,7 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
         return child_environment(extra)
 
     fork = forks_server_and_trainer(cfg, devices, inference, trainer)
-    return [
+    processes = [
         ManagedProcess("inference", primerl_command("inference", "@", str(config_dir / "inference.toml")),
                        logs / "inference.log", env(devices.inference, with_token=True), fork=fork),
         ManagedProcess("orchestrator", primerl_command("orchestrator", "@", str(config_dir / "orchestrator.toml")),
@@ -162,6 +167,16 @@ def build_processes(cfg: RLConfig, run_dir: Path, devices: DeviceAssignment, gpu
         ManagedProcess("trainer", trainer_command(config_dir / "trainer.toml", devices.trainer_ranks),
                        logs / "trainer.log", env(devices.trainer, with_token=False), fork=fork),
     ]
+    if teacher is not None:  # the teacher of distillation: a second server, on the policy server's devices
+        write_process_config(config_dir / "teacher.toml", teacher, exclude={"admin_token", "admin_token_file"})
+        processes.append(ManagedProcess("teacher", primerl_command("inference", "@", str(config_dir / "teacher.toml")),
+                                        logs / "teacher.log", env(devices.inference, with_token=False), fork=fork))
+    return processes
+
+
+def _url_host(host: str) -> str:
+    """`host` as it goes into a URL: IPv6 in brackets, a wildcard bind address as loopback."""
+    return f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
 
 
 # What the server (embedded engine) and the trainer import before their first line of work: torch, transformers'
@@ -269,7 +284,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
 
 def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream, started: float) -> int:
     by_name = {p.name: p for p in processes}
-    finishers = {"orchestrator", "trainer"}  # inference serves until the launcher stops it
+    finishers = {"orchestrator", "trainer"}  # the servers (inference, teacher) serve until the launcher stops them
     while True:
         console.poll()
         for p in processes:
@@ -284,7 +299,7 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
             return 1
         if all(by_name[name].poll() == 0 for name in finishers):
             console.poll()
-            stop_all([by_name["inference"]], cfg.shutdown_grace_s)
+            stop_all([p for p in processes if p.name not in finishers], cfg.shutdown_grace_s)
             trained = console.steps_done - console.first_step
             resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
             print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
@@ -324,13 +339,16 @@ def _forget_what_is_redone(run_dir: Path, stream) -> None:
 
 
 def _prepare_model(cfg: RLConfig) -> None:
-    """Build or convert a registry model once here, so the processes that start next all find it cached."""
+    """Build or convert a registry model (and the teacher's) once here, so the processes that start next all find it
+    cached; a model that cannot be found is one line before anything starts."""
     from primerl.models import ModelError, resolve_model
 
-    try:
-        resolve_model(cfg.model.name, cfg.model.revision)
-    except ModelError as e:
-        raise LaunchError(str(e)) from None
+    for what, model in (("", cfg.model), ("teacher: ", cfg.teacher.model if cfg.teacher is not None else None)):
+        try:
+            if model is not None:
+                resolve_model(model.name, model.revision)
+        except ModelError as e:
+            raise LaunchError(f"{what}{e}") from None
 
 
 def _trained_steps(run_dir: Path) -> int:

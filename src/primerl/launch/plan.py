@@ -229,6 +229,9 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
         cfg = validate_stage(recipe, "rl", run_dir=run_dir, overrides=(overrides or {}).get("rl"))
     except RecipeError as e:
         raise PlanError(str(e)) from None
+    if cfg.teacher is not None:
+        raise PlanError("rl.teacher: launch does not start a teacher server yet; run distillation with `rl` on one "
+                        "machine")
     try:
         transfer_mode(cfg.weight_transfer).check_hosts("rl.weight_transfer")
     except Unsupported as e:

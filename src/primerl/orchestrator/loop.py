@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import re
 import shutil
 import statistics
@@ -39,9 +38,10 @@ from primerl.config import config_from_argv
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import MetricsLogger
 from primerl.orchestrator import rollouts as bridge
-from primerl.orchestrator.advantages import is_zero_advantage, load_advantage_fn
+from primerl.orchestrator.algorithm import Algorithm
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
+from primerl.orchestrator.sampler import task_sampler
 from primerl.orchestrator.scheduler import PolicyBound
 from primerl.orchestrator.workers import WorkerFailed, WorkerPool, open_groups, worker_count
 from primerl.storage import storage_failure
@@ -76,6 +76,7 @@ class Progress:
     groups_dropped_zero_advantage: int = 0
     samples_dropped_off_policy: int = 0
     rollouts: int = 0
+    sampler: dict[str, Any] = field(default_factory=dict)  # the task sampler's state (`sampler.task_sampler`)
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
@@ -136,58 +137,6 @@ def resume_progress(run_dir: Path) -> Progress:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Tasks
-
-
-class TaskStream:
-    """The environment's tasks in a seeded order: a fresh shuffle each pass over a finite taskset, the taskset's own
-    order for an infinite one. `drawn` counts tasks handed out and `next` returns each with its draw index, so a
-    resumed run continues where it stopped: first the draws in `redo` (tasks whose groups were lost), then new ones."""
-
-    def __init__(self, taskset: Any, seed: int, drawn: int = 0, redo: Sequence[int] = ()):
-        self.drawn = drawn
-        self._seed = seed
-        self._tasks = list(taskset) if taskset.bounded else None
-        if self._tasks is not None and not self._tasks:
-            raise ValueError("the environment has no tasks")
-        self._epoch, self._order = -1, []
-        self._redo: deque[tuple[int, Any]] = deque()
-        self._infinite = iter(taskset) if self._tasks is None else None
-        wanted = set(redo)
-        if self._infinite is not None:
-            for index in range(drawn):
-                task = next(self._infinite)
-                if index in wanted:
-                    self._redo.append((index, task))
-        else:
-            self._redo.extend((index, self._task_at(index)) for index in sorted(wanted))
-
-    def __len__(self) -> int:
-        return len(self._tasks) if self._tasks is not None else 0
-
-    @property
-    def redo_left(self) -> list[int]:
-        """Draw indices still to be drawn again."""
-        return [index for index, _ in self._redo]
-
-    def next(self) -> tuple[int, Any]:
-        """(draw index, task)."""
-        if self._redo:
-            return self._redo.popleft()
-        self.drawn += 1
-        if self._infinite is not None:
-            return self.drawn - 1, next(self._infinite)
-        return self.drawn - 1, self._task_at(self.drawn - 1)
-
-    def _task_at(self, draw: int) -> Any:
-        epoch, index = divmod(draw, len(self._tasks))
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, list(range(len(self._tasks)))
-            random.Random(f"{self._seed}:{epoch}").shuffle(self._order)
-        return self._tasks[self._order[index]]
-
-
-# ---------------------------------------------------------------------------------------------------------------------
 # The policy inference serves
 
 
@@ -230,7 +179,8 @@ class PolicyTracker:
 class Group:
     """The scored rollouts of one task. `samples` are the bridge's samples (one or more per rollout); `rewards` has one
     entry per rollout (trace) that finished, failed ones included (they count in the reward metrics); `advantages` has
-    one per rollout in the baseline (`score`)."""
+    one per rollout in the baseline, `scored_rewards` its (shaped) reward and `sample_advantages` each sample's own
+    (`score`); `teacher_logprobs` are the teacher's scores of the samples by `id(sample)` (distillation)."""
 
     task_id: str | None
     samples: list[Any]
@@ -238,30 +188,31 @@ class Group:
     advantages: dict[str, float]
     seconds: float
     draw: int = -1  # the task's draw index (TaskStream.next)
+    teacher_logprobs: dict[int, list[float]] = field(default_factory=dict)
+    scored_rewards: dict[str, float] = field(default_factory=dict)
+    sample_advantages: list[Any] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
         return all(s.error is not None for s in self.samples)
 
-    def score(self, advantage_fn) -> None:
-        """Advantages over the rollouts now in the group that did not fail. A failed rollout's reward says nothing
-        about the policy, so it neither gets an advantage nor moves the others' baseline; after stale samples are
-        dropped, the rollouts that remain are scored again among themselves."""
-        failed = {s.trace_id for s in self.samples if s.error is not None}
-        rewards: dict[str, float] = {}
-        for s in self.samples:
-            if s.trace_id not in failed:
-                rewards.setdefault(s.trace_id, float(s.reward))
-        self.advantages = dict(zip(rewards, advantage_fn(list(rewards.values())))) if rewards else {}
+    def score(self, scorer) -> None:
+        """Advantages over the rollouts now in the group that did not fail (`advantages.Scorer`); after stale samples
+        are dropped, the rollouts that remain are scored again among themselves."""
+        scored = scorer(self.samples, self.teacher_logprobs)
+        self.advantages, self.scored_rewards, self.sample_advantages = (
+            scored.advantages, scored.rewards, scored.sample_advantages)
 
 
-def score_group(task_id: str | None, samples: Sequence[Any], advantage_fn, seconds: float) -> Group:
+def score_group(task_id: str | None, samples: Sequence[Any], scorer, seconds: float,
+                teacher_logprobs: dict[int, list[float]] | None = None) -> Group:
     """Advantages per rollout: the bridge may cut one rollout (trace) into several samples; they share its reward."""
     by_trace: dict[str, float] = {}
     for s in samples:
         by_trace.setdefault(s.trace_id, float(s.reward))
-    group = Group(task_id, list(samples), list(by_trace.values()), {}, seconds)
-    group.score(advantage_fn)
+    group = Group(task_id, list(samples), list(by_trace.values()), {}, seconds,
+                  teacher_logprobs=dict(teacher_logprobs or {}))
+    group.score(scorer)
     return group
 
 
@@ -290,7 +241,7 @@ class StepStats:
     cpu_started: float = field(default_factory=time.process_time)
     workers_cpu_started: float | None = None
     unused_groups: list[Group] = field(default_factory=list)
-    groups_dropped_zero_advantage: int = 0
+    groups_dropped: dict[str, int] = field(default_factory=dict)  # by the type of the filter that dropped them
     samples_dropped_off_policy: int = 0
     samples_too_long: int = 0
     wait_for_policy_s: float = 0.0
@@ -309,11 +260,11 @@ class Orchestrator:
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.bound = PolicyBound(cfg.max_async_steps, cfg.off_policy_limit)
-        self.advantage_fn = load_advantage_fn(cfg.advantage.path, cfg.advantage.kwargs)
+        self.algorithm = Algorithm(cfg)
         if warning := cfg.sampling.biased_ratio_warning():
             log.warning(warning)
         self.max_extra_groups = (
-            cfg.batch.tasks_per_step if cfg.advantage.max_extra_groups is None else cfg.advantage.max_extra_groups
+            cfg.batch.tasks_per_step if cfg.batch.max_extra_groups is None else cfg.batch.max_extra_groups
         )
         self.progress = resume_progress(self.run_dir) if cfg.resume else Progress()
         self.metrics = MetricsLogger(
@@ -343,14 +294,14 @@ class Orchestrator:
             log.info("resuming at step %d (%d tasks drawn so far, %d of them drawn again first: their groups were in "
                      "flight)", self.progress.next_step, self.progress.tasks_drawn, len(self.progress.tasks_in_flight))
         urls = cfg.client.urls
-        self.tasks = TaskStream(self.groups.env.taskset, cfg.seed, self.progress.tasks_drawn,
-                                self.progress.tasks_in_flight)
+        self.tasks = task_sampler(cfg.sampler, self.groups.env.taskset, cfg.seed, self.progress.tasks_drawn,
+                                  self.progress.tasks_in_flight, self.progress.sampler)
         log.info(
             "env %s (%s tasks), %d tasks x %d rollouts per step, seq_len %d, %d trainer rank(s), max_async_steps %d, "
-            "off-policy limit %d, advantage %s, %d inference server(s)",
+            "off-policy limit %d, %s, %d inference server(s)",
             cfg.env.id, len(self.tasks) or "unbounded", cfg.batch.tasks_per_step, cfg.batch.group_size,
-            cfg.batch.seq_len, cfg.batch.num_ranks, cfg.max_async_steps, cfg.off_policy_limit, cfg.advantage.path,
-            len(urls),
+            cfg.batch.seq_len, cfg.batch.num_ranks, cfg.max_async_steps, cfg.off_policy_limit,
+            self.algorithm.description, len(urls),
         )
         token = cfg.admin_token.get_secret_value() if cfg.admin_token is not None else None
         async with InferencePool(
@@ -359,6 +310,7 @@ class Orchestrator:
             self.pool = pool
             self.policy = PolicyTracker(pool, self.run_dir, cfg.weights_poll_s)
             await pool.wait_until_serving(cfg.client.startup_timeout_s)
+            await self.algorithm.start()
             await self.policy.load_newest()
             log.info("inference serves policy version %d", self.policy.version)
             watcher = asyncio.create_task(self.policy.watch(), name="weights-watcher")
@@ -371,6 +323,7 @@ class Orchestrator:
                 for task in self.pending:
                     task.cancel()
                 await asyncio.gather(watcher, *self.pending, return_exceptions=True)
+                await self.algorithm.close()
 
     async def _steps(self, watcher: asyncio.Task) -> None:
         max_steps = self.cfg.max_steps
@@ -417,11 +370,13 @@ class Orchestrator:
         started = time.monotonic()
         with self.pool.acquire() as server:
             samples = await self.groups.run(draw, task, server.url)
-        group = score_group(bridge.task_id(task), samples, self.advantage_fn, time.monotonic() - started)
+        teacher = await self.algorithm.teacher_logprobs(samples)
+        group = score_group(bridge.task_id(task), samples, self.algorithm.scorer, time.monotonic() - started, teacher)
         group.draw = draw
         return group
 
     def _collect(self, group: Group) -> None:
+        self.tasks.observe(group)
         self.progress.rollouts += len(group.rewards)
         self.rollouts_this_run += len(group.rewards)
         if group.failed:
@@ -434,13 +389,14 @@ class Orchestrator:
                 raise RolloutsFailing(f"{self.failed_in_a_row} groups in a row failed entirely; last error: {error}")
             return
         self.failed_in_a_row = 0
-        zero = is_zero_advantage(list(group.advantages.values()))
-        if zero and self.cfg.advantage.drop_zero_advantage and self.extra_groups_used < self.max_extra_groups:
+        dropped_by = self.algorithm.filters.dropping(group)
+        if dropped_by and self.extra_groups_used < self.max_extra_groups:
             self.extra_groups_used += 1
             self.in_flight.discard(group.draw)
             self.stats.unused_groups.append(group)
-            self.stats.groups_dropped_zero_advantage += 1
-            self.progress.groups_dropped_zero_advantage += 1
+            self.stats.groups_dropped[dropped_by] = self.stats.groups_dropped.get(dropped_by, 0) + 1
+            if dropped_by == "zero_advantage":
+                self.progress.groups_dropped_zero_advantage += 1
             return
         self.ready.append(group)
 
@@ -457,7 +413,7 @@ class Orchestrator:
                 self.stats.samples_dropped_off_policy += stale
                 self.progress.samples_dropped_off_policy += stale
                 group.samples = fresh
-                group.score(self.advantage_fn)
+                group.score(self.algorithm.scorer)
                 if not fresh:
                     self.ready.remove(group)
                     self.in_flight.discard(group.draw)
@@ -473,7 +429,7 @@ class Orchestrator:
 
     def _write(self, step: int, groups: list[Group]) -> None:
         cfg = self.cfg
-        scored = [(s, g.advantages[s.trace_id]) for g in groups for s in g.samples
+        scored = [(s, a) for g in groups for s, a in zip(g.samples, g.sample_advantages, strict=True)
                   if s.trace_id in g.advantages and trainable(s)]
         # A sample longer than a row would be cut and trained with the reward of the whole rollout: left out, counted.
         samples = [to_batch_sample(s, a) for s, a in scored if len(s.input_ids) <= cfg.batch.seq_len]
@@ -484,8 +440,9 @@ class Orchestrator:
                 f"{self.stats.samples_too_long} were longer than seq_len {cfg.batch.seq_len})"
             )
         self.in_flight.difference_update(g.draw for g in groups)
+        in_flight = sorted(self.in_flight.union(self.tasks.redo_left))
         after = Progress(**{**asdict(self.progress), "next_step": step + 1, "tasks_drawn": self.tasks.drawn,
-                            "tasks_in_flight": sorted(self.in_flight.union(self.tasks.redo_left))})
+                            "tasks_in_flight": in_flight, "sampler": self.tasks.state(in_flight)})
         write_started = time.monotonic()
         path = batches.write_batch(
             self.run_dir, step, samples, seq_len=cfg.batch.seq_len, num_ranks=cfg.batch.num_ranks,
@@ -544,7 +501,7 @@ class Orchestrator:
             "truncated_frac": _mean([float(s.is_truncated) for s in rollouts]),
             "samples_too_long": stats.samples_too_long,
             "errors": sum(s.error is not None for s in rollouts),
-            "groups_dropped_zero_advantage": stats.groups_dropped_zero_advantage,
+            **{f"groups_dropped_{name}": stats.groups_dropped.get(name, 0) for name in self.algorithm.filters.names},
             "samples_dropped_off_policy": stats.samples_dropped_off_policy,
             "policy_version": self.policy.version,
             "policy_lag_mean": _mean(lags),
@@ -562,6 +519,8 @@ class Orchestrator:
             "rows": meta["rows_per_rank"] * meta["num_ranks"],
             "loss_tokens": meta["num_loss_tokens"],
             "rollouts_total": self.progress.rollouts,
+            **self.algorithm.step_metrics(groups),
+            **self.tasks.metrics(),
         }
 
 

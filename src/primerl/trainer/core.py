@@ -220,12 +220,13 @@ class Trainer:
             self.publisher.resumed(step or 0)  # after the load: it may write these weights
         return step or 0, data
 
-    def forward(self, mb: MicroBatch, temperature: float) -> PolicyOutput:
-        """Log-probs and entropies at the micro-batch's loss tokens (0 elsewhere); columns that are padding in every
-        row are left out of the forward."""
+    def forward(self, mb: MicroBatch, temperature: float, policy: Policy | None = None) -> PolicyOutput:
+        """Log-probs and entropies of `policy` (default: the one trained) at the micro-batch's loss tokens (0
+        elsewhere); columns that are padding in every row are left out of the forward."""
         used = trimmed_width(mb["sample_index"])
-        with self.policy.autocast(self.device):
-            out = self.policy(
+        policy = self.policy if policy is None else policy
+        with policy.autocast(self.device):
+            out = policy(
                 mb["input_ids"][:, :used],
                 mb["position_ids"][:, :used],
                 mb["sample_index"][:, :used],

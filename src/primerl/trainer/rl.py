@@ -19,14 +19,22 @@ import numpy as np
 import torch
 
 from primerl.config import config_from_argv
-from primerl.config.trainer import RolloutDataConfig, TrainerConfig
+from primerl.config.trainer import LossConfig, ReferenceConfig, RolloutDataConfig, TrainerConfig
 from primerl.cpu import keep_freed_memory
 from primerl.storage import storage_failure
 from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
-from primerl.trainer.dist import wants_cuda
-from primerl.trainer.loss import LossInputs, LossOutput, load_loss
+from primerl.trainer.dist import all_reduce_sum, wants_cuda
+from primerl.trainer.loss import (
+    LossInputs,
+    LossOutput,
+    build_loss,
+    normalization_weights,
+    sample_loss_tokens,
+    token_sum,
+)
 from primerl.trainer.model import PolicyOutput
 from primerl.trainer.optim import allocate_state
+from primerl.trainer.reference import build_reference, fill_reference_logprobs, reference_kl
 from primerl.transport.rollouts import Sample, pack_samples, read_batch, split_rows, wait_for_batch
 
 log = logging.getLogger(__name__)
@@ -59,8 +67,10 @@ def warm_up(trainer: Trainer, step_loss: StepLoss, tokens: int, micro_batch_rows
              time.perf_counter() - started)
 
 
-def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput]) -> StepLoss:
-    """Adapt an RL loss (primerl.trainer.loss contract) to the trainer's (forward output, micro-batch) call."""
+def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput], reference: ReferenceConfig | None = None) -> StepLoss:
+    """Adapt an RL loss (primerl.trainer.loss contract) to the trainer's (forward output, micro-batch) call; with a
+    `reference` whose kl_coef is set, add its KL penalty (on micro-batches that carry `ref_logprobs`)."""
+    kl_coef = reference.kl_coef if reference is not None else 0.0
 
     def step_loss(out: PolicyOutput, mb: MicroBatch) -> LossOutput:
         inputs = LossInputs(
@@ -69,16 +79,43 @@ def make_rl_loss(loss_fn: Callable[[LossInputs], LossOutput]) -> StepLoss:
             advantages=mb["advantages"],
             loss_mask=mb["loss_mask"],
             entropy=out.entropy,
+            sample_index=mb["sample_index"],
+            loss_weights=mb.get("loss_weights"),
+            ref_logprobs=mb.get("ref_logprobs"),
         )
-        return loss_fn(inputs)
+        result = loss_fn(inputs)
+        if kl_coef and inputs.ref_logprobs is not None:
+            kl = reference_kl(inputs.logprobs, inputs.ref_logprobs, reference.estimator)
+            penalty = token_sum(kl, inputs.loss_mask, inputs.loss_weights)
+            result.loss_sum = result.loss_sum + (kl_coef * penalty).to(result.loss_sum.dtype)
+            result.metrics["ref_kl"] = (kl.detach() * inputs.loss_mask).sum()
+        return result
 
     return step_loss
 
 
+def fill_loss_weights(batch: list[MicroBatch], loss: LossConfig, device: torch.device) -> None:
+    """`mb["loss_weights"]` for a sequence or constant normalisation (`normalization_weights`), from the samples and
+    loss tokens of the whole step (all micro-batches, all ranks); nothing for the token normalisation."""
+    normalize = getattr(loss, "normalize", "token")
+    if normalize == "token":
+        return
+    samples = sum(int((sample_loss_tokens(mb["sample_index"], mb["loss_mask"]) > 0).sum()) for mb in batch)
+    tokens = sum(int(mb["loss_mask"].sum()) for mb in batch)
+    counts = all_reduce_sum(torch.tensor([float(samples), float(tokens)], dtype=torch.float64, device=device))
+    num_samples, num_tokens = counts.tolist()
+    for mb in batch:
+        mb["loss_weights"] = normalization_weights(mb["sample_index"], mb["loss_mask"], num_samples, num_tokens,
+                                                   normalize, loss.normalize_tokens)
+
+
 def train(cfg: TrainerConfig) -> None:
     parts = TrainerParts.of(cfg)
-    step_loss = make_rl_loss(load_loss(cfg.loss.path, cfg.loss.kwargs))
+    step_loss = make_rl_loss(build_loss(cfg.loss), cfg.reference)
     trainer = Trainer(parts, source="trainer")
+    reference = build_reference(trainer) if cfg.reference.enabled else None
+    log.info("loss %s | reference KL %s", cfg.loss.type,
+             f"kl_coef {cfg.reference.kl_coef} ({cfg.reference.estimator})" if reference is not None else "off")
     rank, world = trainer.dist.rank, trainer.dist.world_size
     try:
         step, _ = trainer.resume()
@@ -102,6 +139,9 @@ def train(cfg: TrainerConfig) -> None:
             batch_tensors = micro_batches(arrays, cfg.train.micro_batch_rows, trainer.device)
             if cfg.data.fake:
                 fill_on_policy_logprobs(trainer, batch_tensors)
+            fill_loss_weights(batch_tensors, cfg.loss, trainer.device)
+            if reference is not None:
+                fill_reference_logprobs(trainer, reference, batch_tensors, temperature)
             metrics = trainer.step(batch_tensors, step_loss, temperature)
             metrics.update(wait_s=wait_s, rollout_step=step)
             step += 1

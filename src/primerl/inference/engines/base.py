@@ -23,6 +23,8 @@ Semantics every engine keeps:
   `generate` before anything is yielded.
 - `update_weights` applies new weights between two decode steps; requests in flight continue under them and their
   tokens carry the new `policy_version` (= the `step` passed).
+- `prompt_logprobs` (engines that support it) scores a token sequence with the weights live between two decode
+  steps: the log-prob of each token given the ones before it, under the untempered softmax.
 - `start_weight_receiver` (engines that support the broadcast transfer) joins the trainer's weight group in the
   background and applies every version the trainer sends the same way, setting `policy_version` to its step before
   confirming it to the trainer; `receiver_state` says how that is going (for messages).
@@ -118,6 +120,12 @@ class Engine(ABC):
         """Load safetensors weights (`model.safetensors` or sharded `*.safetensors` in directory `path`) in place,
         between two decode steps, and set `policy_version = step`. Returns once the new weights are live.
         Raises (and keeps the old weights) if a tensor is missing or has the wrong shape."""
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The log-prob of each token of `token_ids` after the first, given the tokens before it, under the model's
+        untempered distribution (softmax of the logits), computed between two decode steps with the weights then
+        live: `len(token_ids) - 1` values. Raises RuntimeError when the engine is not running."""
+        raise NotImplementedError(f"the {type(self).__name__} engine cannot score prompts")
 
     async def load_shared_weights(self, snapshot: Path, run_dir: Path, step: int) -> None:
         """Load version `step` from the trainer's shared buffer (primerl.transport.shared) that `snapshot`'s SHARED

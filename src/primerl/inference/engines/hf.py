@@ -310,18 +310,23 @@ class HFEngine(Engine):
             raise ValueError(f"{source}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
         return targets
 
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        if len(token_ids) < 2:
+            return []
+        return await self._call_scheduler("score", list(token_ids))
+
     async def pause(self) -> None:
         await self._call_scheduler("pause")
 
     async def resume(self) -> None:
         await self._call_scheduler("resume")
 
-    async def _call_scheduler(self, command: str, *args: Any) -> None:
+    async def _call_scheduler(self, command: str, *args: Any) -> Any:
         if not self.healthy():
             raise RuntimeError("engine is not running")
         done = asyncio.get_running_loop().create_future()
         self._inbox.put((command, *args, done))
-        await done
+        return await done
 
     # ---------------------------------------------------------------------------------------- weight broadcast
 
@@ -429,6 +434,9 @@ class HFEngine(Engine):
             elif command == "weights":
                 tensors, step, done = args
                 self._apply_weights(tensors, step, done)
+            elif command == "score":
+                token_ids, done = args
+                self._score(token_ids, done)
             elif command == "pause":
                 self._paused = True
                 self._resolve(args[0])
@@ -438,10 +446,10 @@ class HFEngine(Engine):
             elif command == "stop":
                 self._stopping = True
 
-    def _resolve(self, future: asyncio.Future[None], error: BaseException | None = None) -> None:
+    def _resolve(self, future: asyncio.Future[Any], error: BaseException | None = None, result: Any = None) -> None:
         def settle() -> None:
             if not future.done():
-                future.set_exception(error) if error else future.set_result(None)
+                future.set_exception(error) if error else future.set_result(result)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(settle)
@@ -459,6 +467,17 @@ class HFEngine(Engine):
             raise
         self.policy_version = step
         self._resolve(done)
+
+    def _score(self, token_ids: list[int], done: asyncio.Future[list[float]]) -> None:
+        """The log-prob of each token after the first under the untempered softmax of the live weights (one full
+        forward of the sequence; the request fails alone if it does)."""
+        try:
+            ids = torch.tensor([token_ids], device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            self._resolve(done, result=logprobs.double().cpu().tolist())
+        except Exception as error:  # noqa: BLE001 -- handed to the caller; the engine keeps serving
+            self._resolve(done, error)
 
     def _abort(self, request_id: str) -> None:
         for index, request in enumerate(self._rows):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -273,6 +274,28 @@ class VLLMEngine(Engine):
             await outputs.aclose()
             if not finished and self._llm is not None:  # closed early (consumer gone) or failed: free the slot
                 await self._llm.abort(request_id)
+
+    async def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """vLLM's `prompt_logprobs=0` (the prompt tokens' own log-probs, from the raw logits) of a one-token request
+        whose sampled token is dropped."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        if self._llm is None:
+            raise RuntimeError("engine is not running")
+        if len(token_ids) < 2:
+            return []
+        params = VLLMSamplingParams(n=1, max_tokens=1, temperature=1.0, prompt_logprobs=0,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)
+        final = None
+        async for output in self._llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                               f"score-{uuid.uuid4().hex}"):
+            final = output
+        entries = final.prompt_logprobs if final is not None else None
+        if entries is None or len(entries) != len(token_ids):
+            raise RuntimeError(f"vLLM returned no prompt log-probs for a {len(token_ids)}-token sequence")
+        return [float(entry[token].logprob) for entry, token in zip(entries[1:], token_ids[1:], strict=True)]
 
     def abort(self, request_id: str) -> None:
         if self._llm is not None:
