@@ -38,7 +38,7 @@ import importlib.util
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from primerl.inference.engines import vllm_compat
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
@@ -53,6 +53,25 @@ log = logging.getLogger("primerl.inference")
 
 class EngineUnavailable(RuntimeError):
     """The engine's package is not installed; the message says how to get it."""
+
+
+class VLLMAPI(NamedTuple):
+    """The vLLM classes the adapter uses, imported in one place (tests/inference/test_vllm_binding.py reads the same)."""
+
+    AsyncEngineArgs: type
+    AsyncLLM: type
+    SamplingParams: type
+    TokensPrompt: type
+    RequestOutputKind: type
+
+
+def vllm_api() -> VLLMAPI:
+    """Import them (vllm is imported only when the engine starts)."""
+    from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return VLLMAPI(AsyncEngineArgs, AsyncLLM, SamplingParams, TokensPrompt, RequestOutputKind)
 
 
 class WorkerExtension:
@@ -173,36 +192,39 @@ class VLLMEngine(Engine):
         self.policy_version = 0
         self.device = "cuda"
         self.dtype = model.dtype
+        self._api: VLLMAPI | None = None
         self._llm: Any = None
         self._paused_by_admin = False  # an admin pause outlives a weight update
         self._sleeping: set[str] = set()  # sleep-mode tags released by an admin pause: "weights", "kv_cache"
         self._update_lock = asyncio.Lock()  # one pause-load-reset-resume at a time
         self._receiver_task: asyncio.Task | None = None
 
+    def engine_args(self, path: Path) -> dict[str, Any]:
+        """The `AsyncEngineArgs` fields the adapter sets for the model at `path`, on the installed vLLM."""
+        return {
+            "model": str(path),
+            "served_model_name": [self.model_name],
+            "dtype": self.model_config.dtype,
+            "trust_remote_code": self.model_config.trust_remote_code,
+            "max_model_len": self.requested_max_model_len,
+            "max_num_seqs": self.max_batch_size,
+            "gpu_memory_utilization": self.options.gpu_memory_utilization,
+            "tensor_parallel_size": self.options.tensor_parallel_size,
+            "enforce_eager": self.options.enforce_eager,
+            "enable_sleep_mode": self.options.sleep_level > 0,
+            "seed": self.seed,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": f"{__name__}.{WorkerExtension.__qualname__}",
+        }
+
     async def start(self) -> None:
         from transformers import AutoTokenizer
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from primerl.models import resolve_model
 
+        self._api = vllm_api()
         path = await asyncio.to_thread(resolve_model, self.model_config.name, self.model_config.revision)
-        args = AsyncEngineArgs(
-            model=str(path),
-            served_model_name=[self.model_name],
-            dtype=self.model_config.dtype,
-            trust_remote_code=self.model_config.trust_remote_code,
-            max_model_len=self.requested_max_model_len,
-            max_num_seqs=self.max_batch_size,
-            gpu_memory_utilization=self.options.gpu_memory_utilization,
-            tensor_parallel_size=self.options.tensor_parallel_size,
-            enforce_eager=self.options.enforce_eager,
-            enable_sleep_mode=self.options.sleep_level > 0,
-            seed=self.seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.{WorkerExtension.__qualname__}",
-        )
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = self._api.AsyncLLM.from_engine_args(self._api.AsyncEngineArgs(**self.engine_args(path)))
         self.max_model_len = self._llm.model_config.max_model_len
         self.dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.model_config.trust_remote_code)
@@ -233,11 +255,8 @@ class VLLMEngine(Engine):
         return self._stream(list(prompt_ids), params, request_id)
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        vllm_params = VLLMSamplingParams(
+        api = self._api
+        vllm_params = api.SamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -248,11 +267,11 @@ class VLLMEngine(Engine):
             ignore_eos=params.ignore_eos,
             seed=params.seed,  # None unless the client asked: keeps vLLM's batched sampling path
             logprobs=0,  # the sampled token's logprob only
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=api.RequestOutputKind.DELTA,
         )
         first = last = None
         completion = 0
-        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
+        outputs = self._llm.generate(api.TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
         finished = False
         try:
             async for output in outputs:
