@@ -1,10 +1,12 @@
-"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (V1 engine, vLLM 0.26 to 0.32), for GPUs.
+"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (V1 engine, vLLM 0.19 to 0.32), for GPUs.
 
-vllm is a GPU-only extra (`pip install 'primerl[gpu]'`): the CPU test suite cannot run this module; the GPU tests
-(tests/gpu/test_vllm_engine.py) and benchmarks/vllm_h200.py run it on a GPU machine. What differs between the vLLM
-versions lives in `vllm_compat`, which also refuses a version outside the range. vllm is imported only when this
-engine starts; without it `VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm`
-reports in one line (exit code 2).
+vllm is a GPU-only extra (`pip install 'primerl[gpu]'`). On the CPU, tests/inference/test_vllm_binding.py drives
+this module against the installed vLLM's classes (every call bound to the real signatures, the real engine arguments,
+sampling parameters and outputs); the GPU tests (tests/gpu/test_vllm_engine.py) and benchmarks/vllm_h200.py run it
+on a GPU machine. What differs between the vLLM versions lives in `vllm_compat`, which also refuses a version outside
+the range: before 0.26 the engine runs without async scheduling and refuses sleep mode (why: `vllm_compat`). vllm
+is imported only when this engine starts; without it, or with a vLLM or an option `vllm_compat` refuses,
+`VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm` reports in one line (exit 2).
 
 How the contract maps onto vLLM:
 - logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, so the logprob of a sampled token is taken
@@ -21,8 +23,9 @@ How the contract maps onto vLLM:
 - policy versions: each token is stamped with the version live when its output reaches this process. Outputs of the
   old weights are all sent before the pause completes and arrive while the new weights load, so the stamp changes
   at the update's boundary (a token held back longer than the load would carry the new version).
-- sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU): `pause` puts vLLM to sleep (weights offloaded
-  to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the weights first.
+- sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU; vLLM 0.26 and newer): `pause` puts vLLM to
+  sleep (weights offloaded to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the
+  weights alone first (generation stays paused until the KV cache wakes at `resume`).
 - weight broadcast (`start_weight_receiver`, docs/weights.md): every worker is one receiver rank of the trainer's
   weight group (`primerl_broadcast_join`, joining in a background thread of the worker). This process follows the
   trainer's announcements through the store (`TransferFeed`); for each it applies the transfer as above with every
@@ -52,7 +55,7 @@ log = logging.getLogger("primerl.inference")
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine's package is not installed; the message says how to get it."""
+    """The engine's package is not installed, or cannot serve what was asked; the message says what to do."""
 
 
 class VLLMAPI(NamedTuple):
@@ -181,6 +184,7 @@ class VLLMEngine(Engine):
             )
         try:
             self.vllm_version = vllm_compat.check_installed()
+            vllm_compat.check_sleep_mode(self.vllm_version, options.sleep_level)
         except vllm_compat.UnsupportedVLLM as e:
             raise EngineUnavailable(str(e)) from None
         self.model_config = model
@@ -215,6 +219,7 @@ class VLLMEngine(Engine):
             "seed": self.seed,
             "logprobs_mode": "processed_logprobs",
             "worker_extension_cls": f"{__name__}.{WorkerExtension.__qualname__}",
+            **vllm_compat.engine_overrides(self.vllm_version),
         }
 
     async def start(self) -> None:
