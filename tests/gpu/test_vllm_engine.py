@@ -1,20 +1,26 @@
 """The vLLM engine behind the real `primerl inference` server, on a GPU (skipped, with the reason, without vllm or
-CUDA: the CPU suite and CI have neither). Run on the GPU machine with `bash benchmarks/gpu_rl_x1.sh vllm-tests OUT`.
+CUDA: the CPU suite and CI have neither). Run on the GPU machine with `bash benchmarks/gpu_rl_x1.sh vllm-tests OUT`;
+written for every vLLM the adapter supports (vllm_compat: 0.19, the CUDA 12 image's; 0.26; 0.32, the lock's).
 
-Model: SmolLM2-135M's architecture with random weights (W0) and a second set (W1) from another seed, bfloat16.
+Model: SmolLM2-135M's architecture with random weights (W0) and a second set (W1) from another seed, bfloat16; a
+server on W1 started fresh answers what the module's server must answer after each update.
 What is checked: chat, streaming chat, the token route's log-probs against transformers' for the same tokens, a
-weight update followed by greedy sampling equal to a server started fresh on the new weights (through a snapshot
-directory and through the trainer's shared CUDA buffer), and the prefix cache cleared by an update that lands while
-a request is running (a prompt seen under W0 is answered after the update exactly as the fresh W1 server answers
-it, and the running request's tokens carry both versions).
+weight update landing while a greedy request decodes (its tokens before the update are W0's, the rest exactly W1's
+greedy continuation of them: none dropped, none repeated, no KV block of W0 reused), greedy sampling after an update
+equal to the fresh W1 server's (through a snapshot directory and through the trainer's shared CUDA buffer), and
+sleep mode: the GPU memory a pause frees, a weight update while asleep with a request waiting, then sampling equal
+to the fresh load (vLLM 0.26 and newer; before 0.26 the server refuses `vllm.sleep_level = 1` in one line).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -32,9 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from engine import random_init_dir  # benchmarks/engine.py
 from server_process import RunningServer, start_server
 
+from primerl.inference.engines import vllm_compat
+
 SERVER_ARGS = ("--engine", "vllm", "--vllm.gpu_memory_utilization=0.25", "--vllm.enforce_eager=true",
                "--max-model-len", "4096", "--weight_transfer", "shared")
 PROMPT = list(range(100, 400))  # 300 tokens: long enough that vLLM caches full blocks of it
+RUNNING_PROMPT = list(range(500, 532))  # the request an update lands in; no other request starts with it
 TIMEOUT = httpx.Timeout(300.0)
 
 
@@ -64,10 +73,10 @@ def server(weights, tmp_path_factory) -> Iterator[RunningServer]:
 
 
 @pytest.fixture(scope="module")
-def fresh_w1_answers(weights, tmp_path_factory) -> dict[str, list[int]]:
-    """Greedy answers of a server started on W1 (then stopped, leaving the GPU to the module's server)."""
+def fresh_w1(weights, tmp_path_factory) -> Iterator[RunningServer]:
+    """A server started on W1, beside the module's server: what an update to W1 must make that one answer."""
     with start_server(weights[1], tmp_path_factory.mktemp("fresh"), *SERVER_ARGS) as fresh:
-        return {"prompt": greedy(fresh, PROMPT), "short": greedy(fresh, [1, 2, 3, 4])}
+        yield fresh
 
 
 def generate(server: RunningServer, token_ids: list[int], **sampling) -> dict:
@@ -128,23 +137,30 @@ def test_token_route_logprobs_match_transformers(server: RunningServer, weights)
     assert difference.mean() < 0.1 and difference.max() < 0.5  # bfloat16 server, float32 reference
 
 
-def test_update_while_a_request_runs_clears_the_prefix_cache(server: RunningServer, weights, fresh_w1_answers):
-    before = greedy(server, PROMPT)  # caches the prompt's blocks under W0
-    assert before != fresh_w1_answers["prompt"]
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 1500, "stream": True,
-            "ignore_eos": True, "logprobs": True}  # a chunk per token, even one that decodes to no text
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=TIMEOUT) as running:
-        lines = running.iter_lines()
-        next(line for line in lines if '"logprobs":{"content":[{' in line)  # sampled tokens are flowing
-        update(server, weights[1], step=1)  # lands while the stream is running
-        last = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][-1]
-    assert last["choices"][0]["policy_versions"] == [0, 1]
-    assert greedy(server, PROMPT) == fresh_w1_answers["prompt"]  # no block computed by W0 was reused
-    assert greedy(server, [1, 2, 3, 4]) == fresh_w1_answers["short"]
+def test_update_while_a_request_runs_continues_it_under_the_new_weights(server: RunningServer, weights, fresh_w1):
+    """The update lands while a greedy request decodes: vLLM preempts it and recomputes its KV under W1. Its tokens
+    before the update are W0's greedy ones (stamped 0), the rest are W1's greedy continuation of exactly those
+    (stamped 1): a token dropped or repeated at the resume, or a KV block of W0 reused, would change them."""
+    w0_start = greedy(server, RUNNING_PROMPT, n=32)  # also caches the prompt's blocks under W0
+    assert greedy(server, PROMPT) != greedy(fresh_w1, PROMPT)  # caches PROMPT's blocks under W0 too
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generate, server, RUNNING_PROMPT, temperature=0.0, max_tokens=3000, ignore_eos=True)
+        time.sleep(1.0)  # decoding by now; 3000 tokens take several seconds
+        assert not running.done()
+        update(server, weights[1], step=1)
+        choice = running.result()
+    tokens, versions = choice["token_ids"], choice["token_policy_versions"]
+    switch = versions.index(1) if 1 in versions else len(versions)
+    assert 0 < switch < len(tokens) and versions == [0] * switch + [1] * (len(tokens) - switch)
+    assert choice["policy_versions"] == [0, 1]
+    assert tokens[: min(switch, 32)] == w0_start[: min(switch, 32)]
+    assert tokens[switch : switch + 16] == greedy(fresh_w1, RUNNING_PROMPT + tokens[:switch], n=16)
+    assert greedy(server, PROMPT) == greedy(fresh_w1, PROMPT)  # no block computed by W0 was reused
+    assert greedy(server, [1, 2, 3, 4]) == greedy(fresh_w1, [1, 2, 3, 4])
     assert "did not reset its prefix cache" not in server.log()
 
 
-def test_shared_buffer_update_equals_a_fresh_load(server: RunningServer, weights, fresh_w1_answers, tmp_path):
+def test_shared_buffer_update_equals_a_fresh_load(server: RunningServer, weights, fresh_w1, tmp_path):
     """The trainer's side of weight_transfer = shared in this process: W1 into a CUDA buffer, published as step 2."""
     from safetensors.torch import load_file
 
@@ -155,19 +171,27 @@ def test_shared_buffer_update_equals_a_fresh_load(server: RunningServer, weights
                             torch.device("cuda", 0))
     try:
         update(server, weights[0], step=1)  # back to W0 from the filesystem first: the buffer must change things
-        assert greedy(server, PROMPT) != fresh_w1_answers["prompt"]
+        assert greedy(server, PROMPT) != greedy(fresh_w1, PROMPT)
         segment.fill(tensors)
         update(server, segment.publish(2), step=2)
         assert read_applied(tmp_path) == 2
-        assert greedy(server, PROMPT) == fresh_w1_answers["prompt"]
+        assert greedy(server, PROMPT) == greedy(fresh_w1, PROMPT)
     finally:
         segment.close()
 
 
-def test_sleep_mode_frees_the_gpu_and_takes_an_update_while_asleep(weights, fresh_w1_answers, tmp_path):
+def test_sleep_mode_frees_the_gpu_and_takes_an_update_while_asleep(weights, fresh_w1, tmp_path):
     """`vllm.sleep_level = 1`: /admin/pause releases the weights and the KV cache (GPU memory a colocated trainer can
-    use), a weight update while asleep is applied, /admin/resume serves the new weights."""
+    use); a request sent while asleep waits; a weight update while asleep wakes the weights alone, so the request
+    still waits (on vLLM before 0.26 that partial wake resumed generation into the released KV cache: the server
+    refuses sleep mode there); /admin/resume serves the new weights, to the waiting request too."""
     args = [*SERVER_ARGS, "--vllm.sleep_level=1"]
+    if vllm_compat.check_installed() < vllm_compat.FIXED_RESET_AND_WAKE:
+        refused = subprocess.run([sys.executable, "-m", "primerl.cli", "inference", "--model.name", str(weights[0]),
+                                  *args], capture_output=True, text=True, timeout=300, check=False)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip().count("\n") == 0 and "vllm.sleep_level = 1 needs vllm" in refused.stderr
+        return
     with start_server(weights[0], tmp_path / "sleepy", *args) as sleepy:
         awake_free, _ = torch.cuda.mem_get_info()
         paused = httpx.post(f"{sleepy.base_url}/admin/pause", headers=sleepy.admin_headers(), timeout=TIMEOUT)
@@ -175,7 +199,15 @@ def test_sleep_mode_frees_the_gpu_and_takes_an_update_while_asleep(weights, fres
         asleep_free, _ = torch.cuda.mem_get_info()
         print(f"sleep level 1 freed {(asleep_free - awake_free) / 2**30:.1f} GiB")
         assert asleep_free - awake_free > 10 * 2**30  # the KV cache of a 0.25 share of the GPU, at least
-        update(sleepy, weights[1], step=1)
-        resumed = httpx.post(f"{sleepy.base_url}/admin/resume", headers=sleepy.admin_headers(), timeout=TIMEOUT)
-        assert resumed.status_code == 200 and not resumed.json()["paused"]
-        assert greedy(sleepy, PROMPT) == fresh_w1_answers["prompt"]
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(greedy, sleepy, PROMPT)
+            time.sleep(1.0)
+            assert not waiting.done()
+            update(sleepy, weights[1], step=1)
+            time.sleep(1.0)
+            assert not waiting.done()  # still paused with the KV cache released
+            resumed = httpx.post(f"{sleepy.base_url}/admin/resume", headers=sleepy.admin_headers(), timeout=TIMEOUT)
+            assert resumed.status_code == 200 and not resumed.json()["paused"]
+            assert waiting.result() == greedy(fresh_w1, PROMPT)
+        assert greedy(sleepy, PROMPT) == greedy(fresh_w1, PROMPT)
+        assert greedy(sleepy, [1, 2, 3, 4]) == greedy(fresh_w1, [1, 2, 3, 4])

@@ -1,10 +1,12 @@
-"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (V1 engine, vLLM 0.26 to 0.32), for GPUs.
+"""The vLLM engine: the `Engine` contract (see `base`) over vLLM's `AsyncLLM` (V1 engine, vLLM 0.19 to 0.32), for GPUs.
 
-vllm is a GPU-only extra (`pip install 'primerl[gpu]'`): the CPU test suite cannot run this module; the GPU tests
-(tests/gpu/test_vllm_engine.py) and benchmarks/vllm_h200.py run it on a GPU machine. What differs between the vLLM
-versions lives in `vllm_compat`, which also refuses a version outside the range. vllm is imported only when this
-engine starts; without it `VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm`
-reports in one line (exit code 2).
+vllm is a GPU-only extra (`pip install 'primerl[gpu]'`). On the CPU, tests/inference/test_vllm_binding.py drives
+this module against the installed vLLM's classes (every call bound to the real signatures, the real engine arguments,
+sampling parameters and outputs); the GPU tests (tests/gpu/test_vllm_engine.py) and benchmarks/vllm_h200.py run it
+on a GPU machine. What differs between the vLLM versions lives in `vllm_compat`, which also refuses a version outside
+the range: before 0.26 the engine runs without async scheduling and refuses sleep mode (why: `vllm_compat`). vllm
+is imported only when this engine starts; without it, or with a vLLM or an option `vllm_compat` refuses,
+`VLLMEngine(...)` raises `EngineUnavailable`, which `primerl inference --engine vllm` reports in one line (exit 2).
 
 How the contract maps onto vLLM:
 - logprobs: the engine runs with `logprobs_mode="processed_logprobs"`, so the logprob of a sampled token is taken
@@ -21,8 +23,9 @@ How the contract maps onto vLLM:
 - policy versions: each token is stamped with the version live when its output reaches this process. Outputs of the
   old weights are all sent before the pause completes and arrive while the new weights load, so the stamp changes
   at the update's boundary (a token held back longer than the load would carry the new version).
-- sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU): `pause` puts vLLM to sleep (weights offloaded
-  to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the weights first.
+- sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU; vLLM 0.26 and newer): `pause` puts vLLM to
+  sleep (weights offloaded to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the
+  weights alone first (generation stays paused until the KV cache wakes at `resume`).
 - weight broadcast (`start_weight_receiver`, docs/weights.md): every worker is one receiver rank of the trainer's
   weight group (`primerl_broadcast_join`, joining in a background thread of the worker). This process follows the
   trainer's announcements through the store (`TransferFeed`); for each it applies the transfer as above with every
@@ -39,7 +42,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from primerl.inference.engines import vllm_compat
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
@@ -53,7 +56,26 @@ log = logging.getLogger("primerl.inference")
 
 
 class EngineUnavailable(RuntimeError):
-    """The engine's package is not installed; the message says how to get it."""
+    """The engine's package is not installed, or cannot serve what was asked; the message says what to do."""
+
+
+class VLLMAPI(NamedTuple):
+    """The vLLM classes the adapter uses, imported in one place (tests/inference/test_vllm_binding.py reads the same)."""
+
+    AsyncEngineArgs: type
+    AsyncLLM: type
+    SamplingParams: type
+    TokensPrompt: type
+    RequestOutputKind: type
+
+
+def vllm_api() -> VLLMAPI:
+    """Import them (vllm is imported only when the engine starts)."""
+    from vllm import AsyncEngineArgs, SamplingParams, TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return VLLMAPI(AsyncEngineArgs, AsyncLLM, SamplingParams, TokensPrompt, RequestOutputKind)
 
 
 class WorkerExtension:
@@ -163,6 +185,7 @@ class VLLMEngine(Engine):
             )
         try:
             self.vllm_version = vllm_compat.check_installed()
+            vllm_compat.check_sleep_mode(self.vllm_version, options.sleep_level)
         except vllm_compat.UnsupportedVLLM as e:
             raise EngineUnavailable(str(e)) from None
         self.model_config = model
@@ -174,36 +197,40 @@ class VLLMEngine(Engine):
         self.policy_version = 0
         self.device = "cuda"
         self.dtype = model.dtype
+        self._api: VLLMAPI | None = None
         self._llm: Any = None
         self._paused_by_admin = False  # an admin pause outlives a weight update
         self._sleeping: set[str] = set()  # sleep-mode tags released by an admin pause: "weights", "kv_cache"
         self._update_lock = asyncio.Lock()  # one pause-load-reset-resume at a time
         self._receiver_task: asyncio.Task | None = None
 
+    def engine_args(self, path: Path) -> dict[str, Any]:
+        """The `AsyncEngineArgs` fields the adapter sets for the model at `path`, on the installed vLLM."""
+        return {
+            "model": str(path),
+            "served_model_name": [self.model_name],
+            "dtype": self.model_config.dtype,
+            "trust_remote_code": self.model_config.trust_remote_code,
+            "max_model_len": self.requested_max_model_len,
+            "max_num_seqs": self.max_batch_size,
+            "gpu_memory_utilization": self.options.gpu_memory_utilization,
+            "tensor_parallel_size": self.options.tensor_parallel_size,
+            "enforce_eager": self.options.enforce_eager,
+            "enable_sleep_mode": self.options.sleep_level > 0,
+            "seed": self.seed,
+            "logprobs_mode": "processed_logprobs",
+            "worker_extension_cls": f"{__name__}.{WorkerExtension.__qualname__}",
+            **vllm_compat.engine_overrides(self.vllm_version),
+        }
+
     async def start(self) -> None:
         from transformers import AutoTokenizer
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
 
         from primerl.models import resolve_model
 
+        self._api = vllm_api()
         path = await asyncio.to_thread(resolve_model, self.model_config.name, self.model_config.revision)
-        args = AsyncEngineArgs(
-            model=str(path),
-            served_model_name=[self.model_name],
-            dtype=self.model_config.dtype,
-            trust_remote_code=self.model_config.trust_remote_code,
-            max_model_len=self.requested_max_model_len,
-            max_num_seqs=self.max_batch_size,
-            gpu_memory_utilization=self.options.gpu_memory_utilization,
-            tensor_parallel_size=self.options.tensor_parallel_size,
-            enforce_eager=self.options.enforce_eager,
-            enable_sleep_mode=self.options.sleep_level > 0,
-            seed=self.seed,
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.{WorkerExtension.__qualname__}",
-        )
-        self._llm = AsyncLLM.from_engine_args(args)
+        self._llm = self._api.AsyncLLM.from_engine_args(self._api.AsyncEngineArgs(**self.engine_args(path)))
         self.max_model_len = self._llm.model_config.max_model_len
         self.dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.model_config.trust_remote_code)
@@ -234,11 +261,8 @@ class VLLMEngine(Engine):
         return self._stream(list(prompt_ids), params, request_id)
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
-        from vllm import SamplingParams as VLLMSamplingParams
-        from vllm import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        vllm_params = VLLMSamplingParams(
+        api = self._api
+        vllm_params = api.SamplingParams(
             n=1,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -249,11 +273,11 @@ class VLLMEngine(Engine):
             ignore_eos=params.ignore_eos,
             seed=params.seed,  # None unless the client asked: keeps vLLM's batched sampling path
             logprobs=0,  # the sampled token's logprob only
-            output_kind=RequestOutputKind.DELTA,
+            output_kind=api.RequestOutputKind.DELTA,
         )
         first = last = None
         completion = 0
-        outputs = self._llm.generate(TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
+        outputs = self._llm.generate(api.TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
         finished = False
         try:
             async for output in outputs:
