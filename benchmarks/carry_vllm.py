@@ -10,7 +10,8 @@ There, with the GPU image's python3, one call per part on a machine kept warm be
 .carry/vllm/part-NN.tar.xz and .carry/vllm/SHA256SUMS (`bash benchmarks/gpu_rl_x1.sh vllm-part OUT` runs this):
     python3 benchmarks/carry_vllm.py unpack [N] --site /tmp/vsite   # check part N's sha256 (default: every part
                                                                     # here), extract it; once all are in, the
-                                                                    # import check runs
+                                                                    # import check runs (vllm's engine and worker
+                                                                    # modules, trl's GRPOTrainer, the FA version)
     python3 benchmarks/carry_vllm.py check --site /tmp/vsite        # the import check alone
 
 The closure starts from vllm==0.26.0, trl==1.16.0 and the distributions primerl's processes import
@@ -60,8 +61,18 @@ LOCK = HERE / "carry_vllm.lock"
 MiB = 2**20
 CALL_LIMIT = 64 * MiB  # what one device call carries: the working tree plus the carried paths
 ROOTS = ("vllm==0.26.0", "trl==1.16.0")
-IMPORT_CHECK = ("import vllm; from vllm.v1.engine.async_llm import AsyncLLM; import trl; "
-                "print('vllm', vllm.__version__, 'trl', trl.__version__)")
+IMPORT_CHECK = """
+import vllm, trl
+from vllm.v1.engine.async_llm import AsyncLLM
+from trl import GRPOTrainer
+import vllm.v1.worker.gpu_model_runner, vllm.v1.attention.backends.flash_attn, vllm.model_executor.models.qwen3
+try:  # the FlashAttention version vLLM picks on this GPU (needs the driver: not on a CPU machine)
+    from vllm.v1.attention.backends.fa_utils import get_flash_attn_version
+    fa = get_flash_attn_version()
+except ImportError as e:
+    fa = f"unavailable ({e})"
+print("vllm", vllm.__version__, "trl", trl.__version__, "flash-attention version", fa)
+"""
 
 TARGET = {  # the GPU image's interpreter, for the markers of Requires-Dist
     "python_version": "3.12", "python_full_version": "3.12.3", "implementation_version": "3.12.3",
