@@ -5,16 +5,17 @@
 # usage: ci/test-cuda12.sh [PYTEST ARGS...]      (default: the subset below)
 # The environment is a second venv, .venv-cuda12, synced from that lock (about 2.5 GB of torch and CUDA 12 wheels on
 # a cold uv cache); the project's own .venv is not touched. The subset is what depends on the stack: the model
-# registry and tokenizers, the trainer (loss, model, FSDP, RL and SFT steps, weight export and broadcast), the
-# inference engine and server, and the W&B logging; not the SmolLM2 tests (marker slow) nor the kill-and-resume test
-# of the RL trainer (process handling, the same on both stacks, and the slowest of the set).
+# registry and tokenizers, the trainer (loss, model, FSDP, RL and SFT steps, weight export), the weight transports
+# (broadcast, shared memory, rollout batches), the inference engine and server, and the W&B logging; not the SmolLM2
+# tests (marker slow) nor the kill-and-resume test of the RL trainer (process handling, the same on both stacks, and
+# the slowest of the set).
 # Nor the connection tests (HTTP transport and proxies, the same on both stacks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export UV_PROJECT_ENVIRONMENT="$PWD/.venv-cuda12"
 uv sync --locked --compile-bytecode --project docker/cuda12
 if [ $# -eq 0 ]; then
-    set -- tests/test_models.py tests/test_monitor.py tests/trainer tests/inference -m "not slow" \
+    set -- tests/test_models.py tests/test_monitor.py tests/trainer tests/transport tests/inference -m "not slow" \
         --deselect tests/trainer/test_rl_trainer.py::test_resume_after_kill_repeats_the_same_steps \
         --ignore tests/inference/test_connections.py
 fi

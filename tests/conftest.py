@@ -1,4 +1,12 @@
-"""Shared fixtures. Models come from primerl's own registry (built or converted once, then cached)."""
+"""Shared fixtures. Models come from primerl's own registry (built or converted once, then cached).
+
+The layout mirrors src/primerl/: the tests of `primerl.<package>` live in tests/<package>/ (config, inference, launch,
+orchestrator, recipes, trainer, transport), those of a top-level module `primerl.<module>` in tests/test_<module>*.py.
+Beside them, directories by kind rather than by package: integration/ (whole `rl` runs), system/ (daemons: docker,
+sshd, Slurm), fuzz/, gpu/, environments/ (the environment packages), benchmarks/ (the benchmark scripts' smoke runs).
+pytest puts this directory on sys.path (it imports this file in its default `prepend` mode), so helper modules at the
+top of tests/ (trainer_helpers.py) import by name from every directory.
+"""
 
 from __future__ import annotations
 
