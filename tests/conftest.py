@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +34,27 @@ def smollm2_dir() -> Path:
     from primerl.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def perturbed_tiny_model(tiny_model_dir: Path) -> Callable[..., Path]:
+    """`make(out, scale=0.5)`: the tiny model with seeded noise (`scale` x N(0, 1), the same on every call) added to
+    every weight, saved as a model directory at `out` (config and safetensors; transformers stores the tied head
+    once). Weights that answer differently from the tiny model's, for the tests of weight updates."""
+
+    def make(out: Path, scale: float = 0.5) -> Path:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+        model.save_pretrained(out)
+        return out
+
+    return make
 
 
 PROBE_PACKAGES = Path(__file__).parent / "environments" / "packages"
