@@ -396,33 +396,27 @@ def run_probe_rank(args: argparse.Namespace) -> int:
 
 def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
     from primerl.launch.local import free_port
-    from primerl.launch.processes import _die_with_parent, child_environment
+    from primerl.launch.processes import ManagedProcess, child_environment
 
     work.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
     env = child_environment({"CUDA_VISIBLE_DEVICES": gpu, "NCCL_DEBUG": "WARN"})
-    procs, files = [], []
+    procs = [ManagedProcess(f"nccl-probe-{rank}", [
+        sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port", str(port),
+        "--probe-timeout-s", str(max(5.0, limit_s / 3))], work / f"rank{rank}.log", env, cwd=REPO) for rank in (0, 1)]
     started = time.perf_counter()
-    for rank in (0, 1):
-        log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        files.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port",
-             str(port), "--probe-timeout-s", str(max(5.0, limit_s / 3))],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            preexec_fn=_die_with_parent))  # noqa: PLW1509 - started from the main thread
+    for p in procs:
+        p.start()  # own process group, dies with this process
     timed_out = False
     deadline = time.monotonic() + limit_s
     for p in procs:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
     for p in procs:
         _kill_group(p.pid)
-        p.wait()
-    for f in files:
-        f.close()
+        p.popen.wait()
     ranks, nccl_lines = [], []
     for rank in (0, 1):
         text = _read(work / f"rank{rank}.log")
@@ -449,7 +443,7 @@ def _kill_group(pid: int) -> None:
 
 def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, limit_s: float,
              gpus: list[str]) -> dict[str, Any]:
-    from primerl.launch.processes import _die_with_parent  # SIGTERM to the child when this process dies
+    from primerl.launch.processes import ManagedProcess, stop_all
 
     # the forced-nccl mode measures the filesystem fallback: two versions show it, the time goes to the other modes
     repeats = min(args.repeats, 2) if mode == "broadcast_nccl_same_gpu" else args.repeats
@@ -461,21 +455,15 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
     log_path = work / "child.log"
     started = time.perf_counter()
     timed_out = False
-    with open(log_path, "wb") as log:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
-                                 preexec_fn=_die_with_parent)  # noqa: PLW1509 - started from the main thread
-        try:
-            child.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            _kill_group(child.pid)
-            child.wait()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
+    # its own process group, SIGTERM when this process dies
+    child = ManagedProcess(f"weight-transfer-{mode}", cmd, log_path, env, cwd=REPO)
+    child.start()
+    try:
+        child.popen.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        stop_all([child], grace_s=10)  # SIGINT, then SIGKILL to its group
     result_file = work / "result.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {"mode": mode, "status": "no result"}
     pid_file = work / "server.pid"  # the server runs in a session of its own: if the child did not stop it, we do
@@ -489,7 +477,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
                 shutil.copy(work / name, keep / name)
     if timed_out:
         result["status"] = f"timeout after {limit_s:.0f}s (hard limit; child killed)"
-    result["child_exit"] = child.returncode
+    result["child_exit"] = child.poll()
     result["child_wall_s"] = time.perf_counter() - started
     if result.get("status") != "ok":
         result["child_log_tail"] = _read(log_path).splitlines()[-30:]
