@@ -2,6 +2,7 @@
 
     uv run python benchmarks/orchestrator_cpu.py --steps 6 --out benchmarks/results/orchestrator_cpu.json
     uv run python benchmarks/orchestrator_cpu.py --profile /tmp/orchestrator.txt   # and a py-spy profile (raw)
+    uv run python benchmarks/orchestrator_cpu.py --smoke                            # one step of 2 groups of 2
 
 A `primerl inference` server on the tiny model (one engine thread, 4 new tokens: cheap, so the orchestrator side is
 what is measured) serves `--steps` steps of `--tasks` reverse-text groups of `--group-size` rollouts each, run the
@@ -18,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -30,16 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "inference"), str(REPO / "benchmarks")]
 
-from report import emit
+from report import add_smoke_flag, emit
 from server_process import start_server
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 async def drive(base_url: str, model_dir: Path, args: argparse.Namespace) -> dict:
@@ -117,29 +109,27 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--profile", type=Path, help="write a py-spy profile (raw, collapsed stacks) of the steps")
     parser.add_argument("--out", type=Path)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.tasks, args.group_size, args.steps, args.warmup = 2, 2, 1, 0
 
     from primerl.models import resolve_model
 
     model_dir = resolve_model("tiny")
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as workdir, start_server(
         model_dir, Path(workdir), "--threads", "1", "--max-batch-size", "128"
     ) as server:
         measured = asyncio.run(drive(server.base_url, model_dir, args))
     emit({
         "benchmark": "orchestrator_cpu",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "commit": commit(),
         "env": "reverse-text",
         "tasks_per_step": args.tasks,
         "group_size": args.group_size,
         "steps": args.steps,
         "max_tokens": args.max_tokens,
         **measured,
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-    }, args.out)
+    }, args.out, smoke=args.smoke)
 
 
 if __name__ == "__main__":
