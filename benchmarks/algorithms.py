@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from report import emit  # benchmarks/report.py
+from report import add_smoke_flag, emit  # benchmarks/report.py
 
 from primerl.monitor import read_metrics
 
@@ -205,8 +204,7 @@ def plot(path: Path, rows: list[dict], distilled: dict, title: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true",
-                        help="the tiny model, 2 steps, one seed, two combinations (all resolved) and distillation")
+    add_smoke_flag(parser)  # the tiny model, 2 steps, one seed, two combinations (all resolved) and distillation
     parser.add_argument("--seeds", type=int, nargs="+", help="seeds of every combination (default 0 1 2; smoke: 0)")
     parser.add_argument("--only", nargs="+", help="run only these combinations (loss+advantage)")
     parser.add_argument("--work-dir", type=Path, help="keep the runs here (default: a temporary directory)")
@@ -234,14 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "distillation": distilled,
         "wall_s": round(time.time() - started, 1),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
     if args.plot:
         title = "reverse-text on the CPU" + (" (smoke: tiny model, 2 steps)" if args.smoke else ", SmolLM2-135M")
         plot(args.plot, rows, distilled, title)
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
-    emit(result, args.out)
+    emit(result, args.out, smoke=args.smoke)
     return 0
 
 

@@ -13,6 +13,10 @@ every process of a CPU `rl` run) — except those on the image (ON_IMAGE, read o
 dist-info included, so version checks still work). A distribution whose extension modules are built for this
 interpreter alone cannot travel that way: it comes from a wheel for the target in --wheels (e.g. pydantic-core, jiter,
 cffi for CPython 3.12), and a missing one is named together with the `pip download` command that fetches it.
+
+Prints one JSON object (what was packed, from where, and the tarball's size; the table goes to stderr). `--smoke`
+probes and sorts every distribution as a real run does, then packs only the three smallest that copy from this
+environment (no wheels needed), naming the interpreter-bound ones it would look up under "not_run".
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import sys
 import tarfile
 import zipfile
 from pathlib import Path
+
+from report import add_smoke_flag, emit, not_run
 
 PROBE_MODULES = [
     "primerl.cli", "primerl.launch.local", "primerl.inference.server", "primerl.inference.engines.hf", "uvicorn",
@@ -110,9 +116,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(".whl/site.tar.gz"), help="the tarball to write")
     parser.add_argument("--wheels", type=Path, help="wheels for the target (interpreter-bound distributions)")
     parser.add_argument("--python-tag", default="cp312", help="the target interpreter's wheel tag")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
 
     carry = sorted(needed_distributions() - ON_IMAGE - PRIMERL_OWN)
+    result: dict = {"tarball": str(args.out), "python_tag": args.python_tag, "needed": carry}
+    if args.smoke:
+        carry = smoke_selection(carry, result)
     missing, rows = [], []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tarfile.open(args.out, "w:gz") as tar:
@@ -132,7 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                 size += path.stat().st_size
             rows.append((name, dist.version, size, "this environment"))
     for name, version, size, source in rows:
-        print(f"{name:28} {version:12} {size / 2**20:7.2f} MiB  {source}")
+        print(f"{name:28} {version:12} {size / 2**20:7.2f} MiB  {source}", file=sys.stderr)
+    result["packed"] = [{"name": n, "version": v, "bytes": b, "from": src} for n, v, b, src in rows]
+    result["missing_wheels"] = missing
     if missing:
         args.out.unlink()
         py = args.python_tag.removeprefix("cp")
@@ -140,9 +152,27 @@ def main(argv: list[str] | None = None) -> int:
               f"  python3 -m pip download --no-deps --only-binary=:all: --python-version {py[0]}.{py[1:]} "
               f"--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 "
               f"--platform manylinux2014_x86_64 -d {args.wheels or '.whl'} {' '.join(missing)}", file=sys.stderr)
+        emit(result, None, smoke=args.smoke)
         return 1
-    print(f"carry_site: {len(rows)} distributions, {args.out} = {args.out.stat().st_size / 2**20:.1f} MiB")
+    result["tarball_mib"] = round(args.out.stat().st_size / 2**20, 2)
+    print(f"carry_site: {len(rows)} distributions, {args.out} = {result['tarball_mib']:.1f} MiB", file=sys.stderr)
+    emit(result, None, smoke=args.smoke)
     return 0
+
+
+def smoke_selection(carry: list[str], result: dict) -> list[str]:
+    """The three smallest distributions that copy from this environment; the interpreter-bound ones named."""
+    copyable, bound = [], []
+    for name in carry:
+        files = _site_files(md.distribution(name))
+        if interpreter_bound(files):
+            bound.append(name)
+        else:
+            copyable.append((sum(path.stat().st_size for path, _ in files if path.is_file()), name))
+    if bound:
+        not_run(result, "interpreter_bound", f"{', '.join(bound)}: packed from wheels for the target (--wheels), "
+                "which a smoke run does not fetch")
+    return [name for _, name in sorted(copyable)[:3]]
 
 
 if __name__ == "__main__":

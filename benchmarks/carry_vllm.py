@@ -53,7 +53,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 from carry_site import ON_IMAGE, PRIMERL_OWN, canonical, needed_distributions  # benchmarks/carry_site.py
-from report import emit  # benchmarks/report.py
+from report import add_smoke_flag, emit  # benchmarks/report.py
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -620,7 +620,8 @@ def main(argv: list[str] | None = None) -> int:
     p_pack.add_argument("--part-mib", type=float, help="the part budget itself, instead of 64 MiB - tree - margin")
     p_pack.add_argument("--preset", type=int, default=9 | lzma.PRESET_EXTREME, help="xz preset")
     p_pack.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compressing processes")
-    p_pack.add_argument("--smoke", "--dry-run", action="store_true", help="download and write nothing: the plan")
+    add_smoke_flag(p_pack)
+    p_pack.add_argument("--dry-run", dest="smoke", action="store_true", help="the same as --smoke: the plan only")
     for name, helptext in (("unpack", "check and extract one part into --site"), ("check", "the import check")):
         p = sub.add_parser(name, help=helptext)
         if name == "unpack":
@@ -629,6 +630,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--site", type=Path, default=Path("/tmp/vsite"))
     for p in sub.choices.values():
         p.add_argument("--out", type=Path, help="also write the JSON result here")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--smoke"]:  # the smoke run of every benchmark (report.py) is the packer's plan
+        argv = ["pack", *argv]
     args = parser.parse_args(argv)
 
     if args.command == "resolve":
@@ -642,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
               "accepted_conflicts": accepted}, args.out)
         return 1 if broken else 0
     if args.command == "pack":
-        emit(pack(args), args.out)
+        emit(pack(args), args.out, smoke=args.smoke)
         return 0
     if args.command == "unpack":
         result = unpack(args)

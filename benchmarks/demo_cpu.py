@@ -9,14 +9,13 @@ the file says how busy it was). The checklist's time is its wall time from `<run
 not part of the figure. Prints one JSON object; `--out FILE` also writes it.
 
     uv run python benchmarks/demo_cpu.py --out benchmarks/results/demo_reverse_text_cpu.json [--plot docs/FILE.png]
+    uv run python benchmarks/demo_cpu.py --smoke --plot /tmp/smoke.png    # recipes/tiny.toml, 2 steps, no checklist
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -25,12 +24,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from report import emit  # benchmarks/report.py
+from report import add_smoke_flag, emit  # benchmarks/report.py
 
 from primerl.monitor import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "reverse-text.toml"
+SMOKE = [REPO / "recipes" / "tiny.toml", "--no-check", "--rl.max_steps=2"]  # --smoke: the recipe, `rl` arguments
 
 
 def rewards_per_step(run_dir: Path) -> list[float]:
@@ -62,11 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, help="also draw the reward per step into this PNG")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     parser.add_argument("extra", nargs="*", help="more `rl` arguments, e.g. --no-check")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.recipe, args.extra = SMOKE[0], [*SMOKE[1:], *args.extra]
 
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="primerl-demo-")) / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
-    load_before = os.getloadavg()
     command = [sys.executable, "-m", "primerl.cli", "rl", str(args.recipe), "--run-dir", str(run_dir), *args.extra]
     started = time.time()
     console = []
@@ -98,15 +100,12 @@ def main(argv: list[str] | None = None) -> int:
         "first3_mean": round(first3, 4),
         "last3_mean": round(last3, 4),
         "gain": round(last3 - first3, 4),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
     if args.plot:
         plot_rewards(args.plot, rewards)
     if args.run_dir is None:
         shutil.rmtree(run_dir.parent, ignore_errors=True)
-    emit(result, args.out)
+    emit(result, args.out, smoke=args.smoke)
     return 0
 
 

@@ -20,6 +20,9 @@ Steady throughput leaves the first step out on both sides (compilation, graph ca
 its first trained step to its last, for TRL from its first logged step to its last. Lost rollouts are the rollouts
 primerl's orchestrator saw fail (the `errors` of every step).
 
+`--smoke`: primerl's side alone on the tiny model (one round of 2 steps, 1 prompt x 2 rollouts, 4 new tokens); the
+peer needs its own virtual environment with TRL, which a smoke run does not build (named under "not_run").
+
 The peer runs in its own virtual environment (`--trl-venv`, default build/trl-venv), created on first use with
 `uv venv` + `uv pip install` (or venv + pip when uv is absent): torch==2.13.0 trl datasets accelerate gguf.
 Prints one JSON object: {"primerl_rollouts_per_s", "trl_rollouts_per_s", "ratio", "primerl_rewards",
@@ -33,7 +36,6 @@ import ast
 import itertools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -42,10 +44,12 @@ import time
 from pathlib import Path
 
 import tomli_w
+from report import add_smoke_flag, emit, not_run
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PACKAGES = ["torch==2.13.0", "trl", "datasets", "accelerate", "gguf"]
 PROMPTS, GROUP, NEW_TOKENS, LR = 2, 8, 48, 5e-6  # P1 on the CPU; the GPU variant sets its sizes on the command line
+SMOKE_SYSTEM_PROMPT = "Reverse the text you are given, character by character."  # no peer script in a smoke run
 
 
 def peer_system_prompt(script: Path) -> str:
@@ -220,9 +224,6 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
                    "primerl_weight_transfer": args.weight_transfer, "primerl_max_batch_size": args.max_batch_size,
                    "primerl_engine_compile": args.engine_compile, "primerl_decode_steps": args.decode_steps,
                    "primerl_engine_overlap": args.engine_overlap},
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                    "gpu": _gpu_name(), "load_average_1m": round(os.getloadavg()[0], 2),
-                    "commit": _commit()},
     }
 
 
@@ -235,14 +236,9 @@ def _gpu_name() -> str | None:
         return None
 
 
-def _commit() -> str | None:
-    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=REPO, check=False)
-    return os.environ.get("PRIMERL_COMMIT") or result.stdout.strip() or None
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trl-script", type=Path, required=True, help="the peer harness trl_grpo.py")
+    parser.add_argument("--trl-script", type=Path, help="the peer harness trl_grpo.py (needed but with --smoke)")
     parser.add_argument("--trl-venv", type=Path, default=REPO / "build" / "trl-venv")
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-p1")
     parser.add_argument("--rounds", type=int, default=2, help="primerl/TRL pairs, alternating")
@@ -268,7 +264,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--skip-trl", action="store_true", help="primerl only (e.g. a learning run)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.skip_trl, args.rounds, args.steps = "tiny", True, 1, 2
+        args.prompts_per_step, args.group, args.new_tokens, args.seq_len, args.max_batch_size = 1, 2, 4, 128, 4
+    elif args.trl_script is None:
+        parser.error("--trl-script is needed (the peer harness; its system prompt is both sides')")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from primerl.models import resolve_model
 
@@ -276,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     python = None if args.skip_trl else args.trl_python or ensure_trl_venv(args.trl_venv)
     work = args.work_dir.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    prompts, system_file = write_prompts(work, peer_system_prompt(args.trl_script))
+    system_prompt = peer_system_prompt(args.trl_script) if args.trl_script else SMOKE_SYSTEM_PROMPT
+    prompts, system_file = write_prompts(work, system_prompt)
     config = work / "primerl.toml"
     config.write_text(tomli_w.dumps(primerl_config(model_dir, system_file, args)))
 
@@ -288,10 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"round {i}: trl {json.dumps(peer)}", file=sys.stderr, flush=True)
         rounds.append({"primerl": ours, "trl": peer})
         result = summarize(rounds, str(args.model_dir or args.model), args)
-        if args.out:  # after every round, so an interrupted benchmark keeps what it measured
-            args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps(result))
+        if args.smoke:
+            not_run(result, "trl", "the peer runs in its own virtual environment with TRL (--trl-venv), which a "
+                    "smoke run does not build")
+        # after every round, so an interrupted benchmark keeps what it measured
+        emit(result, args.out, smoke=args.smoke, echo=i == args.rounds - 1)
     return 0
 
 

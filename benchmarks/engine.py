@@ -6,6 +6,7 @@ warm-up of each; the best run of each side is reported. Prints one JSON object; 
 
     uv run python benchmarks/engine.py                                  # CPU: SmolLM2-135M, 16 x 48, bfloat16
     python3 benchmarks/engine.py --random-init --arch qwen3-0.6b        # GPU: 64 x 128, bfloat16, CUDA graphs
+    uv run python benchmarks/engine.py --smoke                          # CPU: random tiny Llama, 2 x 4, float32
 
 On CUDA the result also holds the measured device-to-device copy bandwidth and the bandwidth limit of decode:
 batch × bandwidth / weight bytes (every decode step reads every weight once).
@@ -15,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from report import emit  # benchmarks/report.py
+from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from primerl.inference.engines.base import Engine, Finish, SamplingParams
@@ -34,8 +33,26 @@ from primerl.models import resolve_model
 PROMPT_TOKENS = 32
 DEFAULT_DECODE_STEPS = 8  # HFEngine's default
 
-# Architectures to build with random weights where the real files are absent (the GPU machine).
+# Architectures to build with random weights where the real files are absent (the GPU machine); `tiny` has the
+# shapes of the registry's tiny model (smoke runs).
 ARCHITECTURES: dict[str, dict] = {
+    "tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 192,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 1028,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+    },
     "smollm2-135m": {
         "model_type": "llama",
         "hidden_size": 576,
@@ -191,12 +208,6 @@ async def device_busy(run) -> dict:
     }
 
 
-def _commit() -> str | None:
-    result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False,
-                            cwd=Path(__file__).resolve().parent)
-    return result.stdout.strip() or None
-
-
 DECODE_VARIANTS = ("default", "autotune", "grouped", "one-level-cdf", "no-overlap")
 
 
@@ -317,13 +328,14 @@ async def benchmark(args: argparse.Namespace) -> dict:
         chunks_ahead=engine.chunks_ahead,
         engine_start_s=round(start_s, 1),
         decode_steps=args.decode_steps,
-        commit=os.environ.get("PRIMERL_COMMIT") or _commit(),
         runs_tok_s={name: [round(v, 1) for v in values] for name, values in runs.items()},
-        torch=torch.__version__,
         threads=torch.get_num_threads(),
     )
     if busy is not None:
         result["device_busy"] = busy
+    if args.smoke:
+        for part in ("device_busy", "copy_bandwidth_gb_s"):
+            not_run(result, part, "needs a CUDA device (the CUDA profiler; a device-to-device copy)")
     if device.type == "cuda":
         bandwidth = copy_bandwidth(device)
         result["copy_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
@@ -365,11 +377,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-busy", action="store_true",
                         help="one more engine run under the CUDA profiler: kernel time against wall time, idle gaps")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:  # both sides and transformers' generate_batch, on a random tiny Llama
+        args.random_init, args.arch, args.dtype, args.device = True, "tiny", "float32", "cpu"
+        args.batch, args.new_tokens, args.repeats, args.generate_batch = 2, 4, 1, True
     apply_decode_variant(args.decode_variant)
     result = asyncio.run(benchmark(args))
     result["decode_variant"] = args.decode_variant
-    emit(result, args.out)
+    emit(result, args.out, smoke=args.smoke)
     return 0
 
 

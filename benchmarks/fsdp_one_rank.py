@@ -10,6 +10,7 @@ the policy is sharded with primerl's own `shard_policy` over that 1-rank group. 
 
     torchrun --standalone --nproc-per-node=1 benchmarks/fsdp_one_rank.py --out OUT.json              # GPU, NCCL
     torchrun --standalone --nproc-per-node=1 benchmarks/fsdp_one_rank.py --cpu                       # CPU, gloo
+    torchrun --standalone --nproc-per-node=1 benchmarks/fsdp_one_rank.py --smoke                     # --cpu, 1 step
 
 Random-init Qwen3-0.6B architecture (tiny on --cpu), fake packed rows (benchmarks/trainer.py). Prints one JSON
 object with loss and tokens/s per step; writes it to --out.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import sys
@@ -30,7 +30,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer import QWEN3_0_6B, TINY, fake_rows, write_random_model
+from report import add_smoke_flag, emit
+from trainer import QWEN3_0_6B, TINY, fake_rows, trainer_parts, write_random_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sample-len", type=int, default=None, help="tokens per sample (default 1024; --cpu 64)")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="process group timeout")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.cpu, args.steps, args.warmup = True, 1, 0
+        args.samples, args.sample_len = args.samples or 2, args.sample_len or 16
     if "RANK" not in os.environ:
         print("fsdp_one_rank: run it under torchrun --standalone --nproc-per-node=1", file=sys.stderr)
         return 2
@@ -57,15 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
     from safetensors.torch import load_file
 
-    from primerl.config.common import ModelConfig
-    from primerl.config.trainer import (
-        CheckpointConfig,
-        LoraConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainingConfig,
-        WeightsConfig,
-    )
     from primerl.trainer import core
     from primerl.trainer import dist as tdist
     from primerl.trainer import model as tmodel
@@ -104,16 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_dir or tmp / "model"
         if not (model_dir / "config.json").exists():
             write_random_model(TINY if args.cpu else QWEN3_0_6B, model_dir)
-        parts = core.TrainerParts(
-            run_dir=tmp / "run",
-            model=ModelConfig(name=str(model_dir)),
-            train=TrainingConfig(device="cpu" if args.cpu else "cuda", compile=False, micro_batch_rows=1),
-            lora=LoraConfig(),
-            optim=OptimizerConfig(lr=1e-6),
-            scheduler=SchedulerConfig(),
-            ckpt=CheckpointConfig(save_at_end=False),
-            weights=WeightsConfig(interval=None),
-        )
+        parts = trainer_parts(tmp / "run", model_dir, optim={"lr": 1e-6},
+                              train={"device": "cpu" if args.cpu else "cuda", "compile": False, "micro_batch_rows": 1})
         t = time.perf_counter()
         trainer = core.Trainer(parts, source="fsdp-1rank")
         build_s = time.perf_counter() - t
@@ -184,15 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         "weights": checks,
         "device": "cpu" if args.cpu else torch.cuda.get_device_name(),
         "nccl": None if args.cpu else ".".join(map(str, torch.cuda.nccl.version())),
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "wall_s": time.perf_counter() - started,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, smoke=args.smoke)
     return 0 if checks.get("ok") else 1
 
 

@@ -15,6 +15,7 @@ Prints one JSON object and writes it to --out.
 
     python benchmarks/fsdp_scaling.py --out benchmarks/results/fsdp_scaling_x2.json   # 2 GPUs
     python benchmarks/fsdp_scaling.py --cpu                                            # dry check: gloo, tiny model
+    python benchmarks/fsdp_scaling.py --smoke                                          # --cpu, one step of 2 x 16
 
 It stops at once, with one line, when fewer GPUs are visible than --ranks (use --cpu for the dry check).
 """
@@ -34,7 +35,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer import QWEN3_0_6B, TINY, fake_rows, write_random_model
+from report import add_smoke_flag, emit
+from trainer import QWEN3_0_6B, TINY, fake_rows, trainer_parts, write_random_model
 
 # step 1 runs from identical weights; bf16 compute on either side (autocast vs FSDP2's cast) bounds the difference
 LOSS_ATOL_BF16 = 5e-3
@@ -55,32 +57,15 @@ def global_rows(args: argparse.Namespace, vocab: int, step: int) -> dict[str, np
 
 def worker(args: argparse.Namespace) -> int:
     """One rank (under torchrun when there are several): real `Trainer` steps on this rank's share of each batch."""
-    from primerl.config.common import ModelConfig
-    from primerl.config.trainer import (
-        CheckpointConfig,
-        LoraConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainingConfig,
-        WeightsConfig,
-    )
-    from primerl.trainer.core import Trainer, TrainerParts, micro_batches, setup_logging
+    from primerl.trainer.core import Trainer, micro_batches, setup_logging
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import make_rl_loss
     from primerl.transport.rollouts import split_rows
 
     setup_logging(int(os.environ.get("RANK", "0")), "fsdp-bench")
-    parts = TrainerParts(
-        run_dir=args.work_dir / f"run_x{args.world}",
-        model=ModelConfig(name=str(args.model_dir)),
-        train=TrainingConfig(device="cpu" if args.cpu else "cuda", attention=args.attention, compile=args.compile,
-                             micro_batch_rows=1),
-        lora=LoraConfig(),
-        optim=OptimizerConfig(lr=args.lr),
-        scheduler=SchedulerConfig(),
-        ckpt=CheckpointConfig(save_at_end=False),
-        weights=WeightsConfig(interval=None),
-    )
+    parts = trainer_parts(args.work_dir / f"run_x{args.world}", args.model_dir, optim={"lr": args.lr},
+                          train={"device": "cpu" if args.cpu else "cuda", "attention": args.attention,
+                                 "compile": args.compile, "micro_batch_rows": 1})
     trainer = Trainer(parts, source="benchmark")
     step_loss = make_rl_loss(load_loss("primerl.trainer.loss:masked_importance_loss"))
     vocab = trainer.policy.causal_lm.config.vocab_size
@@ -206,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.cpu, args.steps, args.warmup = True, 1, 0
+        args.samples, args.sample_len = args.samples or 2, args.sample_len or 16
     args.rows = args.rows or args.ranks
     args.samples = args.samples or (4 if args.cpu else 16)
     args.sample_len = args.sample_len or (64 if args.cpu else 1024)
@@ -255,15 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         "compile": args.compile,
         "steps_timed": args.steps,
         "warmup_steps": args.warmup,
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
         "multicast_env": {k: child_environment()[k] for k in MULTICAST_OFF},  # what the ranks ran with
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, smoke=args.smoke)
     return 0 if many else 1
 
 

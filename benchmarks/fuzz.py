@@ -1,6 +1,7 @@
 """Bounded fuzzing of the inference server (tiny model, CPU) and of the config and recipe loaders; prints JSON.
 
     uv run python benchmarks/fuzz.py --requests 10000 --loader-inputs 2000 --out benchmarks/results/fuzz.json
+    uv run python benchmarks/fuzz.py --smoke          # 40 requests, 5 inputs per loader
 
 The fuzzers are the `fuzz` tests' (tests/fuzz/fuzzing.py): schemathesis from the OpenAPI schema and hypothesis bodies
 for the chat, token and admin routes; hypothesis TOML documents and command lines for the loaders.
@@ -9,9 +10,6 @@ for the chat, token and admin routes; hypothesis TOML documents and command line
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -28,6 +26,7 @@ from fuzzing import (
     fuzz_recipe_loader,
     fuzz_server,
 )
+from report import add_smoke_flag, emit
 
 
 def main() -> None:
@@ -35,11 +34,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10_000)
     parser.add_argument("--loader-inputs", type=int, default=2_000)
     parser.add_argument("--out", type=Path)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.requests, args.loader_inputs = 40, 5
 
     from primerl.models import resolve_model
 
-    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as workdir:
         fuzzed = fuzz_server(resolve_model("tiny"), Path(workdir), args.requests)
 
@@ -54,10 +55,6 @@ def main() -> None:
     result = {
         "benchmark": "fuzz",
         "command": " ".join(["uv run python benchmarks/fuzz.py", *sys.argv[1:]]),
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
-        "cpus": os.cpu_count(),
-        "load_average_before": round(load_before, 1),
-        "load_average_after": round(os.getloadavg()[0], 1),
         "server": {"model": "tiny", "args": list(SERVER_ARGS)},
         "http": {
             **fuzzed.tally.as_dict(),
@@ -72,10 +69,7 @@ def main() -> None:
         },
         "loaders": loaders,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out, smoke=args.smoke)
 
 
 if __name__ == "__main__":

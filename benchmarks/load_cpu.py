@@ -2,6 +2,7 @@
 
     uv run python benchmarks/load_cpu.py --streams 256 --admit 64 --max-tokens 16 --memory-bound-mb 4096 \
         --out benchmarks/results/load_cpu.json
+    uv run python benchmarks/load_cpu.py --smoke      # 8 streams, 4 admitted, 4 tokens each
 
 Every request must stream to `[DONE]` or be refused at once with 429/503 by the admission limit
 (`max_concurrent_requests`); the server's peak resident memory must stay under the bound. Latencies are per request,
@@ -11,8 +12,6 @@ from sending it to its first event and to its end.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import tempfile
@@ -24,6 +23,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "fuzz"), str(REPO / "tests" / "inference")]
 
 from load import memory_mb, stream_storm
+from report import add_smoke_flag, emit
 from server_process import start_server
 
 
@@ -43,7 +43,10 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=32)
     parser.add_argument("--memory-bound-mb", type=float, default=4096)
     parser.add_argument("--out", type=Path)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.streams, args.admit, args.max_tokens, args.max_batch_size = 8, 4, 4, 4
 
     from primerl.models import resolve_model
 
@@ -60,7 +63,6 @@ def main() -> None:
     other = [o for o in outcomes if not o.completed and o.status not in (429, 503)]
     result = {
         "benchmark": "load_cpu",
-        "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
         "model": "tiny",
         "streams": args.streams,
         "max_concurrent_requests": args.admit,
@@ -79,10 +81,7 @@ def main() -> None:
         "memory_bound_mb": args.memory_bound_mb,
         "ok": not other and peak < args.memory_bound_mb,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    emit(result, args.out, smoke=args.smoke)
     raise SystemExit(0 if result["ok"] else 1)
 
 

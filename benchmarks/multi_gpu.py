@@ -24,6 +24,10 @@ writes it to --out.
 
     python benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu_x2.json         # 2 GPUs
     python benchmarks/multi_gpu.py --cpu --steps 2                                   # dry check on the CPU
+    python benchmarks/multi_gpu.py --smoke        # CPU, random tiny Llama, 1 step: rl mode/filesystem, driver/broadcast
+
+--smoke runs each mode once, with a different transfer (the runs are keyed "<mode>_<transfer>"), on the CPU: one step
+of 1 x 2 rollouts of 4 tokens on a random tiny Llama (`random_model`, as the GPU run builds its model).
 
 It stops at once, with one line, when fewer than 2 GPUs are visible (use --cpu for the dry check).
 """
@@ -45,6 +49,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from report import add_smoke_flag, emit
 
 REPO = Path(__file__).resolve().parent.parent
 TRANSFERS = ("filesystem", "broadcast")
@@ -340,7 +346,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lr", type=float, default=1e-5, help="trainer learning rate")
     parser.add_argument("--timeout-s", type=float, default=240, help="limit for each run")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.cpu, args.arch, args.steps, args.tasks, args.group_size, args.max_tokens = True, "tiny", 1, 1, 2, 4
+        args.seq_len = 256
     transfers = [t for t in args.transfers.split(",") if t]
     unknown = sorted(set(transfers) - set(TRANSFERS))
     if unknown:
@@ -359,6 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     verifiers_ok = importlib.util.find_spec("verifiers") is not None and importlib.util.find_spec(
         "reverse_text") is not None
     mode = "driver" if args.driver or not verifiers_ok else "rl"
+    plan = [("rl", "filesystem"), ("driver", "broadcast")] if args.smoke else [(mode, t) for t in transfers]
 
     runs = {}
     with tempfile.TemporaryDirectory(prefix="multi-gpu-") as tmp:
@@ -372,10 +383,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             arch = args.arch or "smollm2-135m"
             model, label = random_model(arch, tmp / "model"), f"{arch} architecture, random init, tiny tokenizer"
-        for transfer in transfers:
-            run = run_launcher if mode == "rl" else run_driver
-            print(f"multi_gpu: {mode} mode, transfer {transfer}", file=sys.stderr, flush=True)
-            runs[transfer] = run(args, model, tmp / transfer / "run", transfer)
+        for run_mode, transfer in plan:
+            run = run_launcher if run_mode == "rl" else run_driver
+            key = f"{run_mode}_{transfer}" if args.smoke else transfer
+            print(f"multi_gpu: {run_mode} mode, transfer {transfer}", file=sys.stderr, flush=True)
+            runs[key] = run(args, model, tmp / key / "run", transfer)
 
     result = {
         "what": "reverse-text RL, inference on one GPU and trainer on the other; per weight transfer and step: "
@@ -384,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
                 "the server loads, or with the broadcast confirms, the version); driver mode also "
                 "stable_to_serving_s (STABLE written -> serving) and trainer_to_serving_s = publish_s + that (P4); "
                 "in rl mode P4 = publish_s + weight_update_s + up to orchestrator.weights_poll_s (0.2 s)",
-        "mode": mode,
-        "mode_reason": "--driver" if args.driver else ("verifiers and reverse_text importable" if verifiers_ok else
-                                                      "verifiers or reverse_text not importable"),
+        "mode": "both (--smoke)" if args.smoke else mode,
+        "mode_reason": "--smoke" if args.smoke else "--driver" if args.driver else (
+            "verifiers and reverse_text importable" if verifiers_ok else "verifiers or reverse_text not importable"),
         "model": label,
         "layout": "CPU (dry check)" if args.cpu else f"inference GPU {gpus[0]}, trainer GPU {gpus[1]}",
         "steps": args.steps,
@@ -396,14 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         "p4": {t: {k: v for k, v in r["medians"].items() if k != "reward_mean"} for t, r in runs.items()},
         "runs": runs,
         "device": torch.cuda.get_device_name(0) if not args.cpu else "cpu",
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(result, args.out, smoke=args.smoke)
     return 0 if all(r["exit"] == 0 for r in runs.values()) else 1
 
 

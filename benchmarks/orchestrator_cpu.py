@@ -3,6 +3,7 @@ server; prints JSON.
 
     uv run python benchmarks/orchestrator_cpu.py --workers 0,2 --steps 6 --out benchmarks/results/orchestrator_cpu.json
     uv run python benchmarks/orchestrator_cpu.py --workers 2 --profile /tmp/orchestrator.txt   # py-spy profile (raw)
+    uv run python benchmarks/orchestrator_cpu.py --smoke       # one worker, one measured step of 2 groups of 2
 
 A `primerl inference` server on the tiny model (one engine thread, 4 new tokens: cheap, so the orchestrator side is
 what is measured) serves the orchestrator's own loop (`primerl.orchestrator.loop.Orchestrator`, run in this process)
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import signal
 import statistics
 import subprocess
@@ -35,16 +35,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "tests" / "inference"), str(REPO / "benchmarks")]
 
-from report import emit
+from report import add_smoke_flag, emit
 from server_process import start_server
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 async def run_loop(orchestrator, profile: Path | None, warmup: int) -> None:
@@ -125,12 +117,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--profile", type=Path, help="write a py-spy profile (raw, collapsed stacks) of the measured steps")
     parser.add_argument("--out", type=Path)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.workers, args.rounds, args.tasks, args.group_size, args.steps, args.warmup = "1", 1, 2, 2, 1, 1
 
     from primerl.models import resolve_model
 
     model_dir = resolve_model("tiny")
-    load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as workdir, start_server(
         model_dir, Path(workdir) / "server", "--threads", "1", "--max-batch-size", "128"
     ) as server:
@@ -142,17 +136,13 @@ def main() -> None:
                 runs.append({**measured, "run_s": round(time.perf_counter() - started, 1)})
     emit({
         "benchmark": "orchestrator_cpu",
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "commit": commit(),
         "env": "reverse-text",
         "tasks_per_step": args.tasks,
         "group_size": args.group_size,
         "steps": args.steps,
         "max_tokens": args.max_tokens,
         "runs": runs,
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-    }, args.out)
+    }, args.out, smoke=args.smoke)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ average before it. `--checklist` also times `primerl check recipes/reverse-text.
 training), with each step's seconds. Prints one JSON object; `--out FILE` also writes it.
 
     uv run python benchmarks/startup.py [--repeats 3] [--checklist] [--out benchmarks/results/p5_startup_cpu.json]
+    uv run python benchmarks/startup.py --smoke     # recipes/tiny.toml once, and its checklist's light steps
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -30,8 +30,12 @@ import time
 from datetime import datetime, timedelta
 from pathlib import Path
 
+from report import add_smoke_flag, emit
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "reverse-text.toml"
+SMOKE_RECIPE = REPO / "recipes" / "tiny.toml"
+HEAVY_CHECKLIST_STEPS = "sft_trainer,rl_trainer,inference,rl_smoke"  # --smoke leaves these out
 
 
 def load_average() -> float:
@@ -104,9 +108,9 @@ def wait_until_gone(run_dir: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
-def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
+def measure(recipe: Path, run_dir: Path, timeout_s: float) -> dict[str, float]:
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "primerl.cli", "rl", str(RECIPE), "--no-check", "--run-dir", str(run_dir),
+    command = [sys.executable, "-m", "primerl.cli", "rl", str(recipe), "--no-check", "--run-dir", str(run_dir),
                "--rl.max_steps=3"]
     load = load_average()
     started = time.time()
@@ -141,14 +145,15 @@ def measure(run_dir: Path, timeout_s: float) -> dict[str, float]:
     }
 
 
-def time_checklist(run_dir: Path) -> dict:
+def time_checklist(recipe: Path, run_dir: Path, skip: str | None = None) -> dict:
     """`primerl check` on the recipe: wall seconds and each step's status and seconds."""
     shutil.rmtree(run_dir, ignore_errors=True)
     report = run_dir / "checklist.json"
     load = load_average()
     started = time.time()
-    proc = subprocess.run([sys.executable, "-m", "primerl.cli", "check", str(RECIPE), "--run-dir", str(run_dir),
-                           "--report", str(report)], cwd=REPO, capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, "-m", "primerl.cli", "check", str(recipe), "--run-dir", str(run_dir),
+                           "--report", str(report), *(["--skip", skip] if skip else [])], cwd=REPO,
+                          capture_output=True, text=True, check=False)
     seconds = round(time.time() - started, 1)
     if proc.returncode != 0:
         raise SystemExit(f"the checklist failed ({proc.returncode}):\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
@@ -164,33 +169,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=REPO / "runs" / "bench-p5")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for one first step")
     parser.add_argument("--out", type=Path)
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    recipe = SMOKE_RECIPE if args.smoke else RECIPE
+    if args.smoke:
+        args.repeats, args.checklist = 1, True
 
     from primerl.recipes import load_recipe
     from primerl.recipes.pins import PinReport, verify_model
 
-    verify_model(load_recipe(RECIPE), PinReport(), lambda _: None)  # the warm cache: model converted, hash stamped
+    verify_model(load_recipe(recipe), PinReport(), lambda _: None)  # the warm cache: model converted, hash stamped
     work = args.work_dir.resolve()
     runs = []
     for i in range(args.repeats):
-        runs.append(measure(work / f"run-{i}", args.timeout))
+        runs.append(measure(recipe, work / f"run-{i}", args.timeout))
         print(f"run {i}: {json.dumps(runs[-1])}", file=sys.stderr, flush=True)
+    command = f"rl {recipe.relative_to(REPO)} --no-check --rl.max_steps=3"
     result = {
-        "benchmark": "P5 launch of `rl recipes/reverse-text.toml` to its first logged step, CPU",
+        "benchmark": f"P5 launch of `{command}` to its first logged step, CPU",
         "seconds_to_first_step": statistics.median(r["seconds_to_first_step"] for r in runs),
         "seconds_to_first_batch": statistics.median(r["seconds_to_first_batch"] for r in runs),
         "runs": runs,
-        "command": f"rl {RECIPE.relative_to(REPO)} --no-check --rl.max_steps=3",
+        "command": command,
     }
     if args.checklist:
-        result["checklist"] = time_checklist(work / "checklist")
+        skip = HEAVY_CHECKLIST_STEPS if args.smoke else None
+        result["checklist"] = time_checklist(recipe, work / "checklist", skip)
+        if skip:
+            result["checklist"]["skipped"] = skip.split(",")
         print(f"checklist: {json.dumps(result['checklist'])}", file=sys.stderr, flush=True)
-    result["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                         "load_average_1m_after": load_average()}
-    print(json.dumps(result))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    emit(result, args.out, smoke=args.smoke)
     return 0
 
 

@@ -7,7 +7,11 @@ compute) on rows of 16 samples x 1,024 tokens. Baseline: `model(input_ids, label
 Warm-up steps are excluded. Prints one JSON object (and writes it to --out).
 
     python benchmarks/trainer.py --out benchmarks/results/p2_trainer_h200.json      # GPU
-    python benchmarks/trainer.py --tiny                                             # CPU smoke test
+    python benchmarks/trainer.py --tiny                                             # CPU: 2 layers, 4 x 64 tokens
+    python benchmarks/trainer.py --smoke                                            # CPU: one step of 2 x 16
+
+Also the other trainer benchmarks' shared parts: the model shapes, `write_random_model`, `fake_rows` and
+`trainer_parts`, the one place a benchmark's trainer config is built.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from report import emit  # benchmarks/report.py
+from report import add_smoke_flag, emit  # benchmarks/report.py
 
 QWEN3_0_6B = {
     "hidden_size": 1024,
@@ -76,35 +80,26 @@ def fake_rows(num_samples: int, sample_len: int, vocab: int, step: int) -> dict[
     return pack_samples(samples, num_samples * sample_len).arrays
 
 
+def trainer_parts(run_dir: Path, model: str | Path, **sections: dict):
+    """The config sections a benchmark's `Trainer` is built from, validated as `primerl trainer` validates its own:
+    `sections` are TrainerConfig's tables (`train={...}`, `optim={...}`, `weights={...}`) over its defaults, and,
+    unless they say otherwise, no checkpoint at the end and no weight export (a benchmark times what it asks for)."""
+    from primerl.config.trainer import TrainerConfig
+    from primerl.trainer.core import TrainerParts
+
+    tables = {"ckpt": {"save_at_end": False}, "weights": {"interval": None}, **sections}
+    return TrainerParts.of(TrainerConfig(run_dir=run_dir, model={"name": str(model)}, **tables))
+
+
 def bench_ours(model_dir: Path, args, device: str) -> dict:
-    from primerl.config.common import ModelConfig
-    from primerl.config.trainer import (
-        CheckpointConfig,
-        LoraConfig,
-        OptimizerConfig,
-        SchedulerConfig,
-        TrainingConfig,
-        WeightsConfig,
-    )
-    from primerl.trainer.core import Trainer, TrainerParts, micro_batches
+    from primerl.trainer.core import Trainer, micro_batches
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import make_rl_loss
 
-    parts = TrainerParts(
-        run_dir=Path(tempfile.mkdtemp(prefix="p2-")),
-        model=ModelConfig(name=str(model_dir)),
-        train=TrainingConfig(
-            device=device,
-            attention=args.attention,
-            activation_checkpointing=args.activation_checkpointing,
-            compile=args.compile,
-            logprob_chunk_tokens=args.chunk_tokens,
-        ),
-        lora=LoraConfig(),
-        optim=OptimizerConfig(lr=1e-6),
-        scheduler=SchedulerConfig(),
-        ckpt=CheckpointConfig(save_at_end=False),
-        weights=WeightsConfig(interval=None),
+    parts = trainer_parts(
+        Path(tempfile.mkdtemp(prefix="p2-")), model_dir, optim={"lr": 1e-6},
+        train={"device": device, "attention": args.attention, "activation_checkpointing": args.activation_checkpointing,
+               "compile": args.compile, "logprob_chunk_tokens": args.chunk_tokens},
     )
     trainer = Trainer(parts, source="benchmark")
     step_loss = make_rl_loss(load_loss("primerl.trainer.loss:masked_importance_loss"))
@@ -190,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=int, default=4096, help="ours: tokens per log-prob chunk")
     parser.add_argument("--skip-baseline", action="store_true", help="measure ours only")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.tiny, args.steps, args.warmup = True, 1, 0
+        args.samples, args.sample_len = args.samples or 2, args.sample_len or 16
     args.samples = args.samples or (4 if args.tiny else 16)
     args.sample_len = args.sample_len or (64 if args.tiny else 1024)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -233,10 +232,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup_steps": args.warmup,
         "step_s_all": ours["step_s_all"],
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
-    emit(result, args.out)
+    emit(result, args.out, smoke=args.smoke)
     return 0
 
 

@@ -30,9 +30,10 @@ transfer, then its publisher is replaced), so the formation time is the join its
     python benchmarks/weight_transfer.py                       # GPU: random-init Qwen3-0.6B (bf16 transfers)
     python benchmarks/weight_transfer.py --cpu                 # dry run: tiny random Qwen3, gloo, CPU
     python benchmarks/weight_transfer.py --budget-s 360        # skip what no longer fits in 360 s
+    python benchmarks/weight_transfer.py --smoke               # --cpu, one version per mode
 
 Prints one JSON object and writes it to --out (default benchmarks/results/weight_transfer_h200.json on GPU,
-weight_transfer_cpu.json with --cpu).
+weight_transfer_cpu.json with --cpu; with --smoke only to --out).
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer import QWEN3_0_6B, TINY, write_random_model
+from report import add_smoke_flag, emit, not_run
+from trainer import QWEN3_0_6B, TINY, trainer_parts, write_random_model
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -100,20 +102,10 @@ def run_child(args: argparse.Namespace) -> int:
     import httpx
     import torch
 
-    from primerl.config.common import ModelConfig
-    from primerl.config.trainer import (
-        BroadcastConfig,
-        CheckpointConfig,
-        LoraConfig,
-        OptimizerConfig,
-        RolloutDataConfig,
-        SchedulerConfig,
-        TrainingConfig,
-        WeightsConfig,
-    )
+    from primerl.config.trainer import BroadcastConfig, RolloutDataConfig, WeightsConfig
     from primerl.launch.local import ADMIN_TOKEN_VAR, free_port
     from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
-    from primerl.trainer.core import Trainer, TrainerParts, micro_batches, setup_logging
+    from primerl.trainer.core import Trainer, micro_batches, setup_logging
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
     from primerl.trainer.weights import PolicyWeights, export_plan
@@ -160,17 +152,8 @@ def run_child(args: argparse.Namespace) -> int:
     trainer = None
     try:
         # the trainer loads while the server starts (as under `rl`)
-        weights_fs = WeightsConfig(interval=1, keep_last=2)
-        parts = TrainerParts(
-            run_dir=run_dir,
-            model=ModelConfig(name=str(args.model_dir)),
-            train=TrainingConfig(device="cpu" if args.cpu else "cuda", compile=False, micro_batch_rows=1),
-            lora=LoraConfig(),
-            optim=OptimizerConfig(lr=args.lr),
-            scheduler=SchedulerConfig(),
-            ckpt=CheckpointConfig(save_at_end=False),
-            weights=weights_fs,
-        )
+        parts = trainer_parts(run_dir, args.model_dir, optim={"lr": args.lr}, weights={"interval": 1, "keep_last": 2},
+                              train={"device": "cpu" if args.cpu else "cuda", "compile": False, "micro_batch_rows": 1})
         t = time.perf_counter()
         trainer = Trainer(parts, source="benchmark")
         result["trainer_build_s"] = time.perf_counter() - t
@@ -364,11 +347,17 @@ def _receiver_log(path: Path, wait_s: float) -> dict[str, Any]:
 # NCCL probe: two processes, one GPU, primerl's own NCCL group code without its same-GPU refusal
 
 
+def probe_parts():
+    """primerl's own group code that the probe runs (imported by a smoke run too, which cannot run the probe)."""
+    from primerl.transport.broadcast import _broadcast, _process_group, _short, _store
+
+    return _broadcast, _process_group, _short, _store
+
+
 def run_probe_rank(args: argparse.Namespace) -> int:
     import torch
 
-    from primerl.transport.broadcast import _broadcast, _process_group, _short, _store
-
+    _broadcast, _process_group, _short, _store = probe_parts()
     rank, timeout_s = args.nccl_probe_rank, args.probe_timeout_s
     out: dict[str, Any] = {"rank": rank}
     t = time.perf_counter()
@@ -394,33 +383,27 @@ def run_probe_rank(args: argparse.Namespace) -> int:
 
 def nccl_probe(work: Path, gpu: str, limit_s: float) -> dict[str, Any]:
     from primerl.launch.local import free_port
-    from primerl.launch.processes import _child_setup, child_environment
+    from primerl.launch.processes import ManagedProcess, child_environment
 
     work.mkdir(parents=True, exist_ok=True)
     port = free_port("127.0.0.1")
     env = child_environment({"CUDA_VISIBLE_DEVICES": gpu, "NCCL_DEBUG": "WARN"})
-    procs, files = [], []
+    procs = [ManagedProcess(f"nccl-probe-{rank}", [
+        sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port", str(port),
+        "--probe-timeout-s", str(max(5.0, limit_s / 3))], work / f"rank{rank}.log", env, cwd=REPO) for rank in (0, 1)]
     started = time.perf_counter()
-    for rank in (0, 1):
-        log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        files.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--nccl-probe-rank", str(rank), "--probe-port",
-             str(port), "--probe-timeout-s", str(max(5.0, limit_s / 3))],
-            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True,
-            preexec_fn=_child_setup))  # noqa: PLW1509 - started from the main thread
+    for p in procs:
+        p.start()  # own process group, dies with this process
     timed_out = False
     deadline = time.monotonic() + limit_s
     for p in procs:
         try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             timed_out = True
     for p in procs:
         _kill_group(p.pid)
-        p.wait()
-    for f in files:
-        f.close()
+        p.popen.wait()
     ranks, nccl_lines = [], []
     for rank in (0, 1):
         text = _read(work / f"rank{rank}.log")
@@ -447,7 +430,7 @@ def _kill_group(pid: int) -> None:
 
 def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, limit_s: float,
              gpus: list[str]) -> dict[str, Any]:
-    from primerl.launch.processes import _child_setup  # SIGTERM to the child when this process dies
+    from primerl.launch.processes import ManagedProcess, stop_all
 
     # the forced-nccl mode measures the filesystem fallback: two versions show it, the time goes to the other modes
     repeats = min(args.repeats, 2) if mode == "broadcast_nccl_same_gpu" else args.repeats
@@ -459,21 +442,15 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
     log_path = work / "child.log"
     started = time.perf_counter()
     timed_out = False
-    with open(log_path, "wb") as log:
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
-        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True,
-                                 preexec_fn=_child_setup)  # noqa: PLW1509 - started from the main thread
-        try:
-            child.wait(timeout=limit_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-            _kill_group(child.pid)
-            child.wait()
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus[0]} if gpus else None  # the trainer: the first GPU
+    # its own process group, SIGTERM when this process dies
+    child = ManagedProcess(f"weight-transfer-{mode}", cmd, log_path, env, cwd=REPO)
+    child.start()
+    try:
+        child.popen.wait(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        stop_all([child], grace_s=10)  # SIGINT, then SIGKILL to its group
     result_file = work / "result.json"
     result = json.loads(result_file.read_text()) if result_file.exists() else {"mode": mode, "status": "no result"}
     pid_file = work / "server.pid"  # the server runs in a session of its own: if the child did not stop it, we do
@@ -487,7 +464,7 @@ def run_mode(args: argparse.Namespace, mode: str, model_dir: Path, work: Path, l
                 shutil.copy(work / name, keep / name)
     if timed_out:
         result["status"] = f"timeout after {limit_s:.0f}s (hard limit; child killed)"
-    result["child_exit"] = child.returncode
+    result["child_exit"] = child.poll()
     result["child_wall_s"] = time.perf_counter() - started
     if result.get("status") != "ok":
         result["child_log_tail"] = _read(log_path).splitlines()[-30:]
@@ -550,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-nccl-probe", action="store_true", help="skip the raw NCCL same-GPU probe")
     parser.add_argument("--out", type=Path, help="JSON output (default benchmarks/results/weight_transfer_*.json)")
     parser.add_argument("--logs-dir", type=Path, help="keep each mode's child and server logs here")
+    add_smoke_flag(parser)
     # internal: one mode's child process, one rank of the NCCL probe
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--work-dir", type=Path, help=argparse.SUPPRESS)
@@ -563,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_child(args)
     if args.nccl_probe_rank is not None:
         return run_probe_rank(args)
+    if args.smoke:
+        args.cpu, args.repeats = True, 1
 
     started = time.monotonic()
     modes = [m for m in args.modes.split(",") if m]
@@ -583,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
         print("weight_transfer: no GPU visible; --cpu runs the dry run", file=sys.stderr)
         return 2
     limit = args.mode_timeout_s or (240.0 if args.cpu else 150.0)
-    out = args.out or RESULTS / ("weight_transfer_cpu.json" if args.cpu else "weight_transfer_h200.json")
+    out = args.out or (None if args.smoke else RESULTS / ("weight_transfer_cpu.json" if args.cpu else
+                                                          "weight_transfer_h200.json"))
 
     device: dict[str, Any] = {"torch": torch.__version__, "transformers": transformers.__version__,
                               "python": sys.version.split()[0]}
@@ -597,6 +578,7 @@ def main(argv: list[str] | None = None) -> int:
                       gpu_uuids=[str(torch.cuda.get_device_properties(i).uuid) for i in range(num_gpus)])
 
     results: dict[str, Any] = {}
+    smoke: dict[str, Any] = {}  # a smoke run's not_run
     probe = None
     with tempfile.TemporaryDirectory(prefix="weight-transfer-") as tmp:
         tmp = Path(tmp)
@@ -636,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
                         shutil.copytree(tmp / "nccl_probe", args.logs_dir / "nccl_probe", dirs_exist_ok=True)
                 else:
                     probe = {"status": "skipped: out of time"}
+        if args.smoke:  # what the CPU cannot run: named, and the probe's code at least imported
+            for mode in modes:
+                if str(results[mode].get("status", "")).startswith("not applicable"):
+                    not_run(smoke, mode, results[mode]["status"])
+            probe_parts()
+            not_run(smoke, "nccl_probe", "needs a CUDA device (two processes on one GPU)")
 
     model_bytes = next((r["model_bytes"] for r in results.values() if "model_bytes" in r), None)
     result = {
@@ -664,10 +652,7 @@ def main(argv: list[str] | None = None) -> int:
         "same_weights_across_modes": same_weights(results),
         "wall_s": time.monotonic() - started,
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
+    emit({**result, **smoke}, out, smoke=args.smoke)
     ran = [r for r in results.values() if not str(r.get("status", "")).startswith(("not ", "skip"))]
     ok = [r.get("status") == "ok" for r in ran]
     return 0 if ok and all(ok) else 1

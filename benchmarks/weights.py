@@ -6,6 +6,7 @@ Prints one JSON object; with --out, merges it into that file under its "<device>
 
     python benchmarks/weights.py                                  # CPU, the embedded SmolLM2-135M
     python benchmarks/weights.py --qwen3-0.6b                     # GPU, random-init Qwen3-0.6B architecture, bf16
+    python benchmarks/weights.py --smoke                          # CPU, the tiny model, one export
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer import QWEN3_0_6B, write_random_model
+from report import add_smoke_flag, emit
+from trainer import QWEN3_0_6B, trainer_parts, write_random_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,19 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--qwen3-0.6b", dest="qwen3", action="store_true", help="random-init Qwen3-0.6B instead")
     parser.add_argument("--repeats", type=int, default=3, help="timed exports (median reported)")
     parser.add_argument("--out", type=Path, help="merge the result into this JSON file")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.model, args.repeats = "tiny", 1
 
-    from primerl.config.common import ModelConfig
-    from primerl.config.trainer import (
-        CheckpointConfig,
-        LoraConfig,
-        OptimizerConfig,
-        RolloutDataConfig,
-        SchedulerConfig,
-        TrainingConfig,
-        WeightsConfig,
-    )
-    from primerl.trainer.core import Trainer, TrainerParts, micro_batches
+    from primerl.config.trainer import RolloutDataConfig
+    from primerl.trainer.core import Trainer, micro_batches
     from primerl.trainer.loss import load_loss
     from primerl.trainer.rl import fake_rows, fill_on_policy_logprobs, make_rl_loss
     from primerl.trainer.weights import export_weights
@@ -55,17 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             model_name, label = str(tmp / "model"), "qwen3-0.6b-random"
             write_random_model(QWEN3_0_6B, Path(model_name))
         run_dir = tmp / "run"
-        parts = TrainerParts(
-            run_dir=run_dir,
-            model=ModelConfig(name=model_name),
-            train=TrainingConfig(),
-            lora=LoraConfig(),
-            optim=OptimizerConfig(),
-            scheduler=SchedulerConfig(),
-            ckpt=CheckpointConfig(save_at_end=False),
-            weights=WeightsConfig(interval=None),
-        )
-        trainer = Trainer(parts, source="benchmark")
+        trainer = Trainer(trainer_parts(run_dir, model_name), source="benchmark")
         data = RolloutDataConfig(fake=True, fake_samples=2, fake_sample_tokens=64, fake_seq_len=128)
         vocab = trainer.policy.causal_lm.config.vocab_size
         batch = micro_batches(fake_rows(data, vocab, 0, 0, 1, 0), 1, trainer.device)
@@ -90,14 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             "gib_per_s": num_bytes / 2**30 / export_s,
             "what": "trainer step done -> full state dict gathered, cast, safetensors+config+tokenizer written, "
             "renamed into place, STABLE written",
-            "torch": torch.__version__,
         }
-    print(json.dumps(result, indent=2))
-    if args.out:
-        merged = json.loads(args.out.read_text()) if args.out.exists() else {}
-        merged[f"{'gpu' if device != 'cpu' else 'cpu'}/{label}"] = result
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(merged, indent=2) + "\n")
+    emit(result, args.out, smoke=args.smoke, merge_under=f"{'gpu' if device != 'cpu' else 'cpu'}/{label}")
     return 0
 
 

@@ -7,17 +7,17 @@
 # 0.19 and what it brings, flash-attn aside (a source package that compiles against CUDA; nothing here imports it).
 # About 2.5 GB of torch and CUDA 12 wheels and 0.8 GB more for vllm on a cold uv cache; the project's own .venv is not
 # touched. The subset is what depends on the stack: the model registry and tokenizers, the trainer (loss, model, FSDP,
-# RL and SFT steps, weight export and broadcast), the inference engine and server, the vLLM adapter bound to this
-# vLLM (tests/inference/test_vllm_binding.py; PRIMERL_EXPECT_VLLM=1 makes a missing vllm fail it, not skip it), and
-# the W&B logging; not the SmolLM2 tests (marker slow) nor the kill-and-resume test of the RL trainer (process
-# handling, the same on both stacks, and the slowest of the set).
+# RL and SFT steps, weight export), the weight transports (broadcast, shared memory, rollout batches), the inference
+# engine and server, the vLLM adapter bound to this vLLM (tests/inference/test_vllm_binding.py; PRIMERL_EXPECT_VLLM=1
+# makes a missing vllm fail it, not skip it), and the W&B logging; not the SmolLM2 tests (marker slow) nor the
+# kill-and-resume test of the RL trainer (process handling, the same on both stacks, and the slowest of the set).
 # Nor the connection tests (HTTP transport and proxies, the same on both stacks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export UV_PROJECT_ENVIRONMENT="$PWD/.venv-cuda12" PRIMERL_EXPECT_VLLM=1
 uv sync --locked --compile-bytecode --project docker/cuda12 --extra gpu --no-install-package flash-attn
 if [ $# -eq 0 ]; then
-    set -- tests/test_models.py tests/test_monitor.py tests/trainer tests/inference -m "not slow" \
+    set -- tests/test_models.py tests/test_monitor.py tests/trainer tests/transport tests/inference -m "not slow" \
         --deselect tests/trainer/test_rl_trainer.py::test_resume_after_kill_repeats_the_same_steps \
         --ignore tests/inference/test_connections.py
 fi

@@ -1,4 +1,12 @@
-"""Shared fixtures. Models come from primerl's own registry (built or converted once, then cached)."""
+"""Shared fixtures. Models come from primerl's own registry (built or converted once, then cached).
+
+The layout mirrors src/primerl/: the tests of `primerl.<package>` live in tests/<package>/ (config, inference, launch,
+orchestrator, recipes, trainer, transport), those of a top-level module `primerl.<module>` in tests/test_<module>*.py.
+Beside them, directories by kind rather than by package: integration/ (whole `rl` runs), system/ (daemons: docker,
+sshd, Slurm), fuzz/, gpu/, environments/ (the environment packages), benchmarks/ (the benchmark scripts' smoke runs).
+pytest puts this directory on sys.path (it imports this file in its default `prepend` mode), so helper modules at the
+top of tests/ (trainer_helpers.py) import by name from every directory.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +34,27 @@ def smollm2_dir() -> Path:
     from primerl.models import resolve_model
 
     return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture
+def perturbed_tiny_model(tiny_model_dir: Path) -> Callable[..., Path]:
+    """`make(out, scale=0.5)`: the tiny model with seeded noise (`scale` x N(0, 1), the same on every call) added to
+    every weight, saved as a model directory at `out` (config and safetensors; transformers stores the tied head
+    once). Weights that answer differently from the tiny model's, for the tests of weight updates."""
+
+    def make(out: Path, scale: float = 0.5) -> Path:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(torch.randn(param.shape, generator=generator) * scale)
+        model.save_pretrained(out)
+        return out
+
+    return make
 
 
 PROBE_PACKAGES = Path(__file__).parent / "environments" / "packages"

@@ -214,22 +214,9 @@ def test_max_model_len_bounds_prompt_and_completion(tiny_model_dir):
     with_engine(tiny_model_dir, test, max_model_len=16)
 
 
-def perturbed_weights(model_dir: Path, out: Path, scale: float) -> Path:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(0)
-    state = {
-        name: (p + scale * torch.randn(p.shape, generator=generator)).contiguous()
-        for name, p in model.state_dict().items()
-        if name != "lm_head.weight"
-    }
-    out.mkdir(parents=True)
-    save_file(state, out / "model.safetensors")
-    return out
-
-
 @pytest.mark.parametrize("overlap", [False, True])
-def test_update_weights_applies_between_steps(tiny_model_dir, tmp_path, overlap):
-    new_weights = perturbed_weights(tiny_model_dir, tmp_path / "step_3", scale=0.05)
+def test_update_weights_applies_between_steps(tiny_model_dir, tmp_path, overlap, perturbed_tiny_model):
+    new_weights = perturbed_tiny_model(tmp_path / "step_3", scale=0.05)
     broken = tmp_path / "broken"
     broken.mkdir()
     save_file({"model.norm.weight": torch.ones(3)}, broken / "model.safetensors")

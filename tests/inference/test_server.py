@@ -380,19 +380,6 @@ def test_update_weights_rejects_a_missing_path(server: RunningServer):
 # weight updates (own server: they change its weights)
 
 
-def _perturbed_checkpoint(model_dir: Path, out: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.save_pretrained(out)
-    return out
-
-
 def _wrong_shape_checkpoint(model_dir: Path, out: Path) -> Path:
     from safetensors.torch import load_file, save_file
 
@@ -404,8 +391,8 @@ def _wrong_shape_checkpoint(model_dir: Path, out: Path) -> Path:
     return out
 
 
-def test_weight_update_changes_the_answers(tiny_model_dir: Path, tmp_path: Path):
-    step_1 = _perturbed_checkpoint(tiny_model_dir, tmp_path / "weights" / "step_1")
+def test_weight_update_changes_the_answers(tiny_model_dir: Path, tmp_path: Path, perturbed_tiny_model):
+    step_1 = perturbed_tiny_model(tmp_path / "weights" / "step_1")
     broken = _wrong_shape_checkpoint(tiny_model_dir, tmp_path / "weights" / "broken")
     with start_server(tiny_model_dir, tmp_path / "server", admin_token="secret-token") as server:
         assert server.admin_token == "secret-token"  # PRIMERL_ADMIN_TOKEN wins; the token file holds it

@@ -22,20 +22,6 @@ def greedy(client: OpenAI):
     return client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=16, temperature=0)
 
 
-def perturbed_model(model_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    """The tiny model with noise added, saved to `out` (transformers stores the tied head once); its tensors."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.save_pretrained(out)
-    return load_file(out / "model.safetensors")
-
-
 def send(sender: BroadcastSender, step: int, tensors: dict[str, torch.Tensor]) -> None:
     manifest = plan_buckets([TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], 256 * 1024)
     sender.begin(step, manifest)
@@ -51,9 +37,11 @@ def marker_dir(run: Path, step: int) -> Path:
 
 
 def test_server_applies_a_broadcast_and_samples_like_the_same_weights_from_disk(
-    tiny_model_dir: Path, tmp_path: Path, port: int
+    tiny_model_dir: Path, tmp_path: Path, port: int, perturbed_tiny_model
 ):
-    tensors = perturbed_model(tiny_model_dir, tmp_path / "perturbed")
+    from safetensors.torch import load_file
+
+    tensors = load_file(perturbed_tiny_model(tmp_path / "perturbed") / "model.safetensors")
     run = tmp_path / "run"
     args = ["--weight-transfer", "broadcast", "--weight-broadcast.port", str(port),
             "--weight-broadcast.timeout-s", "30"]

@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 from renderers.client import _parse_completion_logprobs
-from test_engine import perturbed_weights
 
 from primerl.config.inference import InferenceConfig
 from primerl.inference.admin import Admin
@@ -43,8 +42,9 @@ def tap_first_token(engine: HFEngine) -> asyncio.Event:
     return seen
 
 
-def test_an_update_mid_completion_splits_its_tokens_between_versions(tiny_model_dir: Path, tmp_path: Path):
-    new_weights = perturbed_weights(tiny_model_dir, tmp_path / "step_1", scale=0.05)
+def test_an_update_mid_completion_splits_its_tokens_between_versions(tiny_model_dir: Path, tmp_path: Path,
+                                                                      perturbed_tiny_model):
+    new_weights = perturbed_tiny_model(tmp_path / "step_1", scale=0.05)
 
     async def main() -> dict:
         engine = HFEngine(tiny_model_dir, model_name="tiny", max_batch_size=4, decode_steps=1)

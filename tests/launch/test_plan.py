@@ -17,7 +17,7 @@ from primerl.launch.plan import PlanError, build_plan, load_deploy
 from primerl.launch.slurm import render
 from primerl.recipes.schema import load_recipe
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny.toml"
 IMAGE = "sha256:" + "ab" * 32
 

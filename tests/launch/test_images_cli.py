@@ -7,7 +7,7 @@ from pathlib import Path
 
 from primerl.launch.images import VARIANTS, dockerfile_args, gpu_requests, main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_dockerfile_args_reads_multi_argument_continued_and_quoted_defaults(tmp_path):

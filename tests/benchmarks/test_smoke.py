@@ -1,0 +1,148 @@
+"""Every benchmark script runs in its smoke mode (`--smoke`, benchmarks/report.py: tiny model and sizes, CPU, no
+network) as a subprocess, exits 0 and prints one JSON object, the same as the file it writes, marked as a smoke run
+and holding the keys its readers use; the parts it cannot run here are named under "not_run". So a rename in src/
+that breaks a benchmark fails the default tier instead of the next GPU session.
+
+The cheap ones run first; the ones that start whole `rl` runs or several primerl processes are marked integration
+(the default tier still runs them, last). drills.py's smoke run (three `rl` runs) is in the drills group and the
+multi-node runs need root (launchers group); both groups are .ci/run's, and drills.py's imports are checked here.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+BENCHMARKS = REPO / "benchmarks"
+LIBRARIES = {"report.py"}  # the harness, not a benchmark
+TIMEOUT_S = 840  # per script; the smoke runs take seconds of CPU each, but the machine may be busy
+
+
+@dataclass(frozen=True)
+class Smoke:
+    script: str
+    keys: tuple[str, ...]  # top-level keys of the result
+    not_run: tuple[str, ...] = ()  # parts the CPU cannot run, which the result must name
+    args: tuple[str, ...] = ()
+    launcher: tuple[str, ...] = ()  # what runs the script (default: this interpreter)
+    out: str = "result.json"  # what --out names; a JSON file unless json_out is False
+    json_out: bool = True
+    marks: tuple[pytest.MarkDecorator, ...] = ()
+
+    @property
+    def id(self) -> str:
+        return self.script.removesuffix(".py")
+
+    @property
+    def drill(self) -> bool:
+        return any(m.name == "drills" for m in self.marks)
+
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=0")
+INTEGRATION = (pytest.mark.integration,)
+CASES = [
+    Smoke("multinode_cpu.py", ("plans",), not_run=("layouts",)),
+    Smoke("trainer.py", ("tokens_per_s", "hf_baseline_tokens_per_s", "ratio", "step_s")),
+    Smoke("weights.py", ("export_s", "num_bytes", "gib_per_s")),
+    Smoke("engine.py", ("engine_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s", "ratio"),
+          not_run=("device_busy", "copy_bandwidth_gb_s")),
+    Smoke("decode_profile.py", ("eager",), not_run=("graph_replay", "compiled")),
+    Smoke("vllm_h200.py", ("p3", "rl_commands"), not_run=("p3.vllm", "rl")),
+    Smoke("fsdp_one_rank.py", ("loss_first", "loss_last", "tokens_per_s", "weights"), launcher=TORCHRUN),
+    Smoke("carry_site.py", ("needed", "packed", "tarball_mib"), out="site.tar.gz", json_out=False),
+    Smoke("fuzz.py", ("http", "loaders")),
+    Smoke("load_cpu.py", ("completed", "server_peak_rss_mb", "ok")),
+    Smoke("carry_vllm.py", ("pins", "part_budget_mib", "wheels_present")),
+    Smoke("orchestrator_cpu.py", ("runs", "tasks_per_step"), marks=INTEGRATION),
+    Smoke("fsdp_scaling.py", ("losses_match", "speedup", "loss_per_step"), marks=INTEGRATION),
+    Smoke("weight_transfer.py", ("summary", "modes", "same_weights_across_modes"),
+          not_run=("broadcast_nccl_same_gpu", "broadcast_nccl_2gpu", "nccl_probe"), marks=INTEGRATION),
+    Smoke("multi_gpu.py", ("runs", "p4"), marks=INTEGRATION),
+    Smoke("demo_cpu.py", ("wall_s", "rewards", "steps"), args=("--plot", "{tmp}/rewards.png"), marks=INTEGRATION),
+    Smoke("startup.py", ("seconds_to_first_step", "checklist"), args=("--work-dir", "{tmp}/work"),
+          marks=INTEGRATION),
+    Smoke("e2e_vs_trl.py", ("primerl_rollouts_per_s", "primerl_rewards", "rounds"), not_run=("trl",),
+          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
+]
+DRILLS_VAR = "PRIMERL_DRILLS"
+
+
+def run_script(case: Smoke, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [*(case.launcher or (sys.executable,)), str(BENCHMARKS / case.script), *args]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S, check=False,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=c.marks) for c in CASES])
+def test_smoke_run_prints_its_result_as_json(case: Smoke, tmp_path: Path):
+    if case.drill and os.environ.get(DRILLS_VAR) != "1":
+        pytest.skip(f"the drills are opt-in ({DRILLS_VAR}=1 pytest -m drills; .ci/run runs them as their own group)")
+    out = tmp_path / case.out
+    args = [a.format(tmp=tmp_path) for a in case.args]
+    done = run_script(case, tmp_path, "--smoke", "--out", str(out), *args)
+    assert done.returncode == 0, f"exit {done.returncode}\n{done.stderr[-6000:]}"
+    try:
+        result = json.loads(done.stdout)
+    except json.JSONDecodeError as e:
+        raise AssertionError(f"stdout is not one JSON object ({e}):\n{done.stdout[-3000:]}") from None
+    assert result["run"]["smoke"] is True
+    assert {"commit", "host", "load_average_start", "load_average_end"} <= set(result["run"])
+    assert set(case.keys) <= set(result), sorted(result)
+    named = result.get("not_run", {})
+    assert set(case.not_run) <= set(named), named
+    assert all(isinstance(why, str) and why for why in named.values()), named
+    for part in named:  # said on stderr too, not only in the file
+        assert f"{part}: not run: " in done.stderr
+    if case.json_out:
+        written = json.loads(out.read_text())
+        assert written == result or result in written.values()  # weights.py keeps one result per device/model
+    else:
+        with tarfile.open(out) as tar:
+            assert len(tar.getnames()) > 0
+
+
+def test_every_script_has_a_smoke_case_and_a_smoke_flag():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - LIBRARIES
+    assert scripts == {c.script for c in CASES}
+    for script in sorted(scripts):
+        tree = ast.parse((BENCHMARKS / script).read_text())
+        calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert "add_smoke_flag" in calls, f"{script} has no --smoke (report.add_smoke_flag)"
+        assert "emit" in calls, f"{script} does not hand its result to report.emit"
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.drill], ids=lambda c: c.id)
+def test_scripts_smoked_only_in_an_opt_in_group_still_import_and_parse(case: Smoke, tmp_path: Path):
+    done = run_script(case, tmp_path, "--help")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "--smoke" in done.stdout
+
+
+@pytest.mark.launchers
+@pytest.mark.system
+def test_multinode_runs_one_layout_on_namespace_hosts(tmp_path: Path):
+    """Not a smoke run: the one-host layout for 2 steps on a host made here (root, sshd, network namespaces)."""
+    if os.environ.get("PRIMERL_LAUNCHER_TESTS") != "1":
+        pytest.skip("launcher tests are opt-in (PRIMERL_LAUNCHER_TESTS=1 pytest -m launchers; .ci/run's own group)")
+    sys.path.insert(0, str(REPO / "tests" / "system"))
+    from netns_hosts import missing_tools
+
+    if why := missing_tools():
+        pytest.skip(f"cannot make SSH hosts here: {why}")
+    case = next(c for c in CASES if c.script == "multinode_cpu.py")
+    out = tmp_path / "multinode.json"
+    done = run_script(case, tmp_path, "--steps", "2", "--layouts", "one_host", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-6000:]
+    layout = json.loads(out.read_text())["layouts"]["one_host"]
+    assert layout["steps_completed"] == 2 and layout["seconds_per_step"] is not None, layout
