@@ -10,7 +10,7 @@ from trainer_helpers import read_metrics, write_fixed_batches
 from primerl.config import load
 from primerl.config.trainer import TrainerConfig
 from primerl.trainer.rl import train
-from primerl.transport import weights as wt
+from primerl.transport import snapshots
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +26,7 @@ def run(run_dir, *extra, steps: int = 2) -> dict[int, dict]:
 
 
 def final_weights(run_dir, step: int = 2) -> dict[str, torch.Tensor]:
-    return load_file(wt.weights_dir(run_dir, step) / "model.safetensors")
+    return load_file(snapshots.weights_dir(run_dir, step) / "model.safetensors")
 
 
 def test_the_default_loss_trains_exactly_as_the_path_configs_did(tmp_path):
