@@ -40,6 +40,11 @@ def test_a_run_with_workers_killed_and_resumed_trains_on_the_tasks_of_a_run_with
     assert "rollouts run in 2 worker processes" in (run / "logs" / "orchestrator.log").read_text()
     assert tasks_per_step(run) == tasks_per_step(reference)
     first, again = (read_batch(r / "rollouts" / "step_0") for r in (reference, run))
-    for name in ("input_ids", "loss_mask", "sample_index", "inference_logprobs"):
+    for name in ("input_ids", "loss_mask", "sample_index"):
         np.testing.assert_array_equal(first.arrays[name], again.arrays[name], err_msg=name)
+    # The same tokens, sampled from the same seeds; their log-probabilities may differ in the last float32 bit because
+    # the engine batched the requests of two worker processes differently from those of one loop.
+    np.testing.assert_allclose(
+        first.arrays["inference_logprobs"], again.arrays["inference_logprobs"], rtol=0, atol=1e-5, err_msg="logprobs"
+    )
     assert not processes_of_run(run)
