@@ -15,12 +15,13 @@ with the first seed's run of the default combination as its teacher: the student
                                                        # for 2 steps, one seed
 
 Prints one JSON object; `--out FILE` also writes it. Runs are kept under `--work-dir` (default: a temporary
-directory, removed after).
+directory, removed after); started again with the same `--work-dir`, it reuses the runs that finished.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -128,6 +129,17 @@ def rl_command(combination: Combination, seed: int, run_dir: Path, smoke: bool) 
 
 
 def row(combination: Combination, seed: int, run_dir: Path, smoke: bool) -> dict:
+    """One run's row; kept beside its run directory, so a benchmark started again with the same `--work-dir` reuses
+    the runs that finished instead of training them again."""
+    saved = run_dir.with_suffix(".row.json")
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    result = fresh_row(combination, seed, run_dir, smoke)
+    saved.write_text(json.dumps(result))
+    return result
+
+
+def fresh_row(combination: Combination, seed: int, run_dir: Path, smoke: bool) -> dict:
     wall, before, after = run(rl_command(combination, seed, run_dir, smoke), run_dir)
     rewards = per_step(run_dir, "reward_mean")
     print(f"{combination.name} seed {seed}: last {LAST} steps {statistics.fmean(rewards[-LAST:]):.3f} in {wall:.0f}s "
