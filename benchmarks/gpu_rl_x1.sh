@@ -20,6 +20,15 @@
 #                                                # engine (OUT/vllm_h200.json, kept in /tmp for the next stage)
 #   bash benchmarks/gpu_rl_x1.sh vllm-rl OUT     # part (b): reverse-text rl with each engine; OUT/vllm_h200.json
 #                                                # then holds both parts (on a machine still warm from vllm-p3)
+#   bash benchmarks/gpu_rl_x1.sh vllm-offline OUT  # benchmarks/vllm_offline.py: one batch through vLLM's own
+#                                                # LLM.generate, primerl's adapter in-process, the server with vLLM
+#                                                # and with the embedded engine (OUT/vllm_offline.json; sides measured
+#                                                # on an earlier call of a warm machine are kept). OFFLINE_SIDES,
+#                                                # OFFLINE_BATCHES (default 64,256), SIDE_TIMEOUT_S (default 120)
+#   bash benchmarks/gpu_rl_x1.sh p1-cell OUT     # benchmarks/p1_gpu_matrix.py: one cell of the P1-GPU matrix,
+#                                                # CELL=ARCH/TOKENS/PROMPTSxGROUP (e.g. qwen3-0.6b/512/64x8), CELL_SIDES
+#                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S; appends to
+#                                                # OUT/p1_gpu_matrix.json (kept in /tmp across calls)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
 #   .whl/site.tar.gz         python benchmarks/carry_site.py --wheels .whl --out .whl/site.tar.gz
@@ -208,6 +217,15 @@ vllm-p3)
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_p3 560 python3 benchmarks/vllm_h200.py --skip-rl \
         --side-timeout-s 270 --out /tmp/primerl-vllm/vllm_h200.json
     cp /tmp/primerl-vllm/vllm_h200.json "$out/"
+    ;;
+vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the site
+    [ -d "$vllm_site/vllm" ] || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
+    mkdir -p /tmp/primerl-vllm
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_offline 525 python3 benchmarks/vllm_offline.py \
+        --sides "${OFFLINE_SIDES:-vllm-offline,adapter,server-vllm,server-embedded}" \
+        --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" --profile \
+        --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
+    cp /tmp/primerl-vllm/vllm_offline.json "$out/"
     ;;
 vllm-rl)
     need_vllm

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 import tarfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
-LIBRARIES = {"report.py"}  # the harness, not a benchmark
+LIBRARIES = {"report.py", "sides.py"}  # the harness and the side-process helpers, not benchmarks
 TIMEOUT_S = 840  # per script; the smoke runs take seconds of CPU each, but the machine may be busy
 
 
@@ -37,6 +38,7 @@ class Smoke:
     out: str = "result.json"  # what --out names; a JSON file unless json_out is False
     json_out: bool = True
     marks: tuple[pytest.MarkDecorator, ...] = ()
+    check: Callable[[dict], None] | None = None  # further assertions on the result
 
     @property
     def id(self) -> str:
@@ -45,6 +47,19 @@ class Smoke:
     @property
     def drill(self) -> bool:
         return any(m.name == "drills" for m in self.marks)
+
+
+def check_vllm_offline(result: dict) -> None:
+    """The embedded sides measured (the in-process one profiled), the vLLM sides skipped with a reason, not passed."""
+    sides = result["sides"]
+    for side in ("server-embedded", "embedded"):
+        for batch in ("2", "4"):
+            assert sides[side]["batches"][batch]["tok_s"] > 0, sides[side]
+    assert sides["embedded"]["profile"]["top_by_own_time"], sides["embedded"]
+    assert sides["server-embedded"]["batches"]["4"]["cpu_s"]["process"] > 0
+    for side in ("vllm-offline", "adapter", "server-vllm"):
+        assert set(sides[side]) == {"skipped"} and sides[side]["skipped"], sides[side]
+    assert set(result["ratios"]["4"]) == {"server_embedded_over_embedded"}, result["ratios"]
 
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=0")
@@ -57,6 +72,9 @@ CASES = [
           not_run=("device_busy", "copy_bandwidth_gb_s")),
     Smoke("decode_profile.py", ("eager",), not_run=("graph_replay", "compiled")),
     Smoke("vllm_h200.py", ("p3", "rl_commands"), not_run=("p3.vllm", "rl")),
+    Smoke("vllm_offline.py", ("settings", "sides", "ratios"),
+          not_run=("sides.vllm-offline", "sides.adapter", "sides.server-vllm"), marks=INTEGRATION,
+          check=check_vllm_offline),
     Smoke("fsdp_one_rank.py", ("loss_first", "loss_last", "tokens_per_s", "weights"), launcher=TORCHRUN),
     Smoke("carry_site.py", ("needed", "packed", "tarball_mib"), out="site.tar.gz", json_out=False),
     Smoke("fuzz.py", ("http", "loaders")),
@@ -104,6 +122,8 @@ def test_smoke_run_prints_its_result_as_json(case: Smoke, tmp_path: Path):
     assert all(isinstance(why, str) and why for why in named.values()), named
     for part in named:  # said on stderr too, not only in the file
         assert f"{part}: not run: " in done.stderr
+    if case.check is not None:
+        case.check(result)
     if case.json_out:
         written = json.loads(out.read_text())
         assert written == result or result in written.values()  # weights.py keeps one result per device/model

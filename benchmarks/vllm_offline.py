@@ -1,0 +1,300 @@
+"""vLLM at vLLM's own speed? One batch through vLLM's offline `LLM.generate` and through primerl, side by side.
+
+The same batch (B prompts of 32 random token ids, N new tokens each, temperature 1, eos ignored) on the same weights
+(Qwen3-0.6B's architecture with random weights, or `--model-dir`), bfloat16, at each batch size of `--batches`,
+through each side, each side in its own process with a time limit (`--side-timeout-s`):
+
+- `vllm-offline`: vLLM's own `LLM.generate`, built from the very engine arguments primerl's adapter passes
+  (`VLLMEngine.engine_args`) and the same sampling parameters (the sampled token's log-prob asked); `plain_tok_s`
+  is the same batch without log-probs;
+- `adapter`: primerl's vLLM adapter (`VLLMEngine`) called in this process, no HTTP; `--profile` adds one more run
+  under cProfile (its top functions by own time; the timed runs are not profiled);
+- `server-vllm` / `server-embedded`: `primerl inference` with the vLLM or the embedded engine, the batch sent at once
+  through the token route (`/inference/v1/generate`, as the orchestrator sends it), with the server's CPU seconds
+  (its own process, and its descendants: vLLM's engine core) over the timed runs;
+- `embedded`: the embedded engine called in this process (the in-process counterpart of `server-embedded`).
+
+Each side warms up once per batch size, then `--repeats` timed runs; the best tokens/s is reported, with every run's.
+Ratios per batch size: `adapter_over_vllm_offline`, `server_vllm_over_vllm_offline`, `server_vllm_over_embedded`
+(the two servers), `server_vllm_over_adapter` and `server_embedded_over_embedded` (what HTTP and the server add).
+
+    python3 benchmarks/vllm_offline.py --out OUT.json                 # GPU, every side, batches 64 and 256
+    python3 benchmarks/vllm_offline.py --sides adapter --profile ...   # one side (merged into an existing --out)
+    uv run python benchmarks/vllm_offline.py --smoke                  # CPU, tiny model: the embedded sides only
+
+`--smoke` runs the embedded-engine sides on the CPU (random tiny Llama, float32, batches 2 and 4, 4 tokens, the
+in-process one also under cProfile); the vLLM sides are skipped, each with its reason, under "not_run" and as
+{"skipped": reason} (never as a figure).
+An `--out` that holds a result of the same settings keeps the sides this run did not measure (each side names its
+device), so a GPU call that runs out of time can be finished by the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
+from sides import cpu_delta, cpu_snapshot, inference_server, profile_top, run_side, token_route_batch
+
+HERE = Path(__file__).resolve().parent
+SIDES = ("vllm-offline", "adapter", "server-vllm", "server-embedded", "embedded")
+VLLM_SIDES = ("vllm-offline", "adapter", "server-vllm")
+RATIOS = {"adapter_over_vllm_offline": ("adapter", "vllm-offline"),
+          "server_vllm_over_vllm_offline": ("server-vllm", "vllm-offline"),
+          "server_vllm_over_embedded": ("server-vllm", "server-embedded"),
+          "server_vllm_over_adapter": ("server-vllm", "adapter"),
+          "server_embedded_over_embedded": ("server-embedded", "embedded")}
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {"model": str(args.model_dir) if args.model_dir else f"{args.arch} (random init)",
+            "dtype": "float32" if args.smoke else "bfloat16", "prompt_tokens": 32, "new_tokens": args.new_tokens,
+            "batches": args.batches, "repeats": args.repeats, "temperature": 1.0, "ignore_eos": True,
+            "gpu_memory_utilization": args.gpu_memory_utilization}
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    return max(1024, 32 + args.new_tokens + 8)
+
+
+def adapter_engine(model_dir: Path, args: argparse.Namespace):
+    """primerl's vLLM adapter as the server builds it (not started)."""
+    from primerl.config.common import ModelConfig
+    from primerl.config.inference import VLLMSection
+    from primerl.inference.engines.vllm import VLLMEngine
+
+    return VLLMEngine(ModelConfig(name=str(model_dir), dtype="bfloat16"), "bench", max_model_len=max_model_len(args),
+                      max_batch_size=max(args.batches), options=VLLMSection(
+                          gpu_memory_utilization=args.gpu_memory_utilization))
+
+
+def timed(args: argparse.Namespace, batch: int, run, pid: int | None = None) -> dict:
+    """Warm-up, then `--repeats` timed runs of `run(prompts) -> seconds`; CPU seconds of `pid` (default: this
+    process) and its descendants over the timed runs."""
+    import os
+
+    from engine import make_prompts  # benchmarks/engine.py
+
+    prompts = make_prompts(batch, args.vocab_size)
+    run(prompts)  # warm-up: graphs, compilation, allocator
+    pid = pid or os.getpid()
+    before, runs = cpu_snapshot(pid), []
+    for _ in range(args.repeats):
+        seconds = run(prompts)
+        runs.append(batch * args.new_tokens / seconds)
+    out = {"tok_s": round(max(runs), 1), "runs_tok_s": [round(r, 1) for r in runs],
+           "cpu_s": cpu_delta(before, cpu_snapshot(pid))}
+    print(f"batch {batch}: {out['runs_tok_s']} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def offline_side(args: argparse.Namespace, model_dir: Path) -> dict:
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    started = time.perf_counter()
+    llm = LLM(**adapter_engine(model_dir, args).engine_args(model_dir))
+    start_s = time.perf_counter() - started
+    same = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, ignore_eos=True,
+                          logprobs=0)  # what the adapter asks for each request
+    plain = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
+
+    def run_with(params):
+        def run(prompts: list[list[int]]) -> float:
+            t0 = time.perf_counter()
+            outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+            seconds = time.perf_counter() - t0
+            if any(len(o.outputs[0].token_ids) != args.new_tokens for o in outputs):
+                raise RuntimeError("vLLM returned a reply shorter than asked")
+            return seconds
+        return run
+
+    batches = {}
+    for batch in args.batches:
+        batches[str(batch)] = timed(args, batch, run_with(same))
+        batches[str(batch)]["plain_tok_s"] = timed(args, batch, run_with(plain))["tok_s"]
+    return {"start_s": round(start_s, 1), "batches": batches, "sampling": "logprobs=0 (as the adapter); plain_tok_s: "
+            "no logprobs"}
+
+
+def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
+    """The adapter (`kind` "vllm") or the embedded engine ("hf") in this process, no HTTP."""
+    from engine import engine_run  # benchmarks/engine.py
+
+    if kind == "vllm":
+        engine = adapter_engine(model_dir, args)
+    else:
+        from primerl.inference.engines.hf import HFEngine
+
+        engine = HFEngine(model_dir, device=args.device, dtype="float32" if args.smoke else "bfloat16",
+                          max_batch_size=max(args.batches), max_model_len=max_model_len(args))
+    loop = asyncio.new_event_loop()
+    started = time.perf_counter()
+    loop.run_until_complete(engine.start())
+    result: dict = {"start_s": round(time.perf_counter() - started, 1), "batches": {}}
+    counter = iter(range(10**6))
+
+    def run(prompts: list[list[int]]) -> float:
+        return loop.run_until_complete(engine_run(engine, prompts, args.new_tokens, f"r{next(counter)}", seed=None))
+
+    try:
+        for batch in args.batches:
+            result["batches"][str(batch)] = timed(args, batch, run)
+        if args.profile:
+            from engine import make_prompts
+
+            batch = max(args.batches)
+            profile = cProfile.Profile()
+            profile.enable()
+            seconds = run(make_prompts(batch, args.vocab_size))
+            profile.disable()
+            result["profile"] = {"batch": batch, "tok_s_under_profile": round(batch * args.new_tokens / seconds, 1),
+                                 "top_by_own_time": profile_top(profile)}
+    finally:
+        loop.run_until_complete(engine.stop())
+        loop.close()
+    return result
+
+
+def server_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
+    """`primerl inference --engine kind`, the batch through its token route; the server's CPU seconds."""
+    flags = ["--engine", kind, "--max-batch-size", str(max(args.batches)), "--max-model-len", str(max_model_len(args))]
+    if kind == "vllm":
+        flags += ["--vllm.gpu_memory_utilization", str(args.gpu_memory_utilization)]
+    elif args.smoke:
+        flags += ["--device", "cpu", "--model.dtype", "float32", "--threads", "1"]
+    with tempfile.TemporaryDirectory() as tmp:
+        log = Path(tmp) / "inference.log"
+        started = time.perf_counter()
+        with inference_server(model_dir, log, *flags) as (base_url, pid):
+            result: dict = {"start_s": round(time.perf_counter() - started, 1), "batches": {}}
+            loop = asyncio.new_event_loop()
+            try:
+                for batch in args.batches:
+                    result["batches"][str(batch)] = timed(
+                        args, batch, lambda p: loop.run_until_complete(token_route_batch(base_url, p, args.new_tokens)),
+                        pid=pid)
+            finally:
+                loop.close()
+        result["server_log_tail"] = log.read_text()[-800:]
+    return result
+
+
+def side_main(args: argparse.Namespace) -> int:
+    """One side, in this process: its result as one JSON line on stdout."""
+    sys.path.insert(0, str(HERE))
+    import torch
+
+    args.vocab_size = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
+    args.device = "cpu" if args.smoke else "cuda"
+    if args.side == "vllm-offline":
+        result = offline_side(args, args.model_dir)
+    elif args.side in ("adapter", "embedded"):
+        result = engine_side(args, args.model_dir, "vllm" if args.side == "adapter" else "hf")
+    else:
+        result = server_side(args, args.model_dir, args.side.removeprefix("server-").replace("embedded", "hf"))
+    result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if args.side in VLLM_SIDES:
+        import vllm
+
+        result["vllm"] = vllm.__version__
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def ratios(sides: dict, batches: list[int]) -> dict:
+    """Per batch size, each ratio whose two sides were measured on the same device."""
+    out: dict = {}
+    for batch in map(str, batches):
+        for name, (a, b) in RATIOS.items():
+            x, y = sides.get(a, {}), sides.get(b, {})
+            if x.get("device") and x.get("device") == y.get("device") and batch in x.get("batches", {}) \
+                    and batch in y.get("batches", {}):
+                out.setdefault(batch, {})[name] = round(x["batches"][batch]["tok_s"] / y["batches"][batch]["tok_s"], 3)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-dir", type=Path, help="the model to serve (default: --arch with random weights)")
+    parser.add_argument("--arch", default="qwen3-0.6b", help="benchmarks/engine.py's architecture for random init")
+    parser.add_argument("--batches", default="64,256", help="batch sizes, comma-separated")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (after one warm-up)")
+    parser.add_argument("--sides", default=",".join(SIDES[:4]), help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--side-timeout-s", type=float, default=150.0, help="limit of each side's process")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share, every vLLM side")
+    parser.add_argument("--profile", action="store_true", help="cProfile one more adapter (and embedded) run")
+    parser.add_argument("--work-dir", type=Path, help="where the random model is made (default: a temporary one)")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in this process
+    parser.add_argument("--out", type=Path, help="also write the JSON here (keeping other sides of the same settings)")
+    add_smoke_flag(parser)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.arch, args.new_tokens, args.repeats, args.profile = "tiny", 4, 1, True
+        args.batches = "2,4" if args.batches == "64,256" else args.batches
+        args.sides = "server-embedded,embedded," + ",".join(VLLM_SIDES)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.side:
+        return side_main(args)
+    chosen = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if unknown := sorted(set(chosen) - set(SIDES)):
+        parser.error(f"unknown side(s) {', '.join(unknown)}; choose among {', '.join(SIDES)}")
+    result: dict = {"benchmark": "vllm_offline", "settings": settings(args), "sides": {}}
+    if args.out and args.out.is_file():  # sides measured before with the same settings stay
+        before = json.loads(args.out.read_text())
+        if before.get("settings") == result["settings"]:
+            result["sides"] = before.get("sides", {})
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.work_dir or Path(tmp)
+        model_dir = args.model_dir or made_model(args, work / "model")
+        for side in chosen:
+            if side in VLLM_SIDES and (why := vllm_missing(args)):
+                result["sides"][side] = {"skipped": why}
+                not_run(result, f"sides.{side}", why)
+                continue
+            command = [sys.executable, __file__, "--side", side, "--model-dir", str(model_dir),
+                       "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
+                       "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
+                       *(["--profile"] if args.profile else []), *(["--smoke"] if args.smoke else [])]
+            print(f"=== side {side}", file=sys.stderr, flush=True)
+            result["sides"][side] = {**run_side(command, args.side_timeout_s), "measured_at": round(time.time())}
+            result["ratios"] = ratios(result["sides"], args.batches)
+            emit(result, args.out, smoke=args.smoke, echo=False)  # what is measured so far survives a kill
+    result["ratios"] = ratios(result["sides"], args.batches)
+    emit(result, args.out, smoke=args.smoke)
+    failed = [s for s in chosen if "error" in result["sides"].get(s, {})]
+    return 1 if failed else 0
+
+
+def vllm_missing(args: argparse.Namespace) -> str | None:
+    """Why the vLLM sides cannot run here, or None."""
+    import importlib.util
+
+    if args.smoke:
+        return "a smoke run is CPU-only; vLLM needs a CUDA device" + (
+            "" if importlib.util.find_spec("vllm") else " (and is not installed here: a GPU-only extra)")
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not importable (bring it with gpu_rl_x1.sh's vllm-part stage, PYTHONPATH=$VLLM_SITE)"
+    return None
+
+
+def made_model(args: argparse.Namespace, into: Path) -> Path:
+    """`--arch` with random weights (fixed seed; benchmarks/engine.py), reused when already made there."""
+    if (into / "config.json").is_file():
+        return into
+    sys.path.insert(0, str(HERE))
+    import torch
+    from engine import random_init_dir
+
+    return random_init_dir(args.arch, torch.float32 if args.smoke else torch.bfloat16, into)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
