@@ -5,8 +5,12 @@ peer's system prompt, 16 rollouts per step (2 prompts x 8), 48 new tokens, tempe
 precision (float32, or bfloat16 with --bf16), no KL term. Runs alternate (primerl, TRL, primerl, TRL, ...) so drift of
 the machine's speed falls on both. Throughput counts the rollouts trained on over the training time: for TRL the
 peer's own clock (around `trainer.train()`, after model loading); for primerl from the moment the orchestrator starts
-generating (inference healthy, models loaded) to the trainer's last step. Cold wall times (process start to exit)
-are reported too.
+generating (inference healthy, models loaded) to the trainer's last step. The two clocks differ (TRL's covers all of
+`train()`, primerl's starts after its processes are up), so cold wall times are reported beside them on both sides,
+process start to exit (for primerl the whole `rl` command), with `cold_rollouts_per_s` and `cold_ratio`. The result
+names primerl's backward dtype (`train.backward_dtype`, the setting and what the trainer resolved it to: `auto` is
+bfloat16 for a float32 model on a CPU with bfloat16 dot products; `--backward-dtype float32` makes it float32) and
+the package versions each side ran with (transformers, torch, trl, accelerate, vllm).
 
     uv run python benchmarks/e2e_vs_trl.py --trl-script PEER/trl_grpo.py [--rounds 2] [--out results.json]
 
@@ -19,6 +23,11 @@ through the shared buffer) where there is no uv, name the peer's interpreter and
 Steady throughput leaves the first step out on both sides (compilation, graph capture, warm-up): for primerl from
 its first trained step to its last, for TRL from its first logged step to its last. Lost rollouts are the rollouts
 primerl's orchestrator saw fail (the `errors` of every step).
+
+`--trl-vllm-colocate` runs the stronger GPU peer: TRL generating through vLLM inside its own process on the same GPU
+(the peer's `--vllm-colocate`; `--trl-vllm-memory` is vLLM's share of the GPU memory, default 0.3, `--trl-vllm-sleep`
+its sleep mode between generations); the setting used is written into the result (`config.trl_generation`). The peer
+then runs as one torch.distributed rank (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set as torchrun would).
 
 `--smoke`: primerl's side alone on the tiny model (one round of 2 steps, 1 prompt x 2 rollouts, 4 new tokens); the
 peer needs its own virtual environment with TRL, which a smoke run does not build (named under "not_run").
@@ -36,7 +45,9 @@ import ast
 import itertools
 import json
 import os
+import re
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,9 +56,11 @@ from pathlib import Path
 
 import tomli_w
 from report import add_smoke_flag, emit, not_run
+from sides import package_versions
 
 REPO = Path(__file__).resolve().parents[1]
 TRL_PACKAGES = ["torch==2.13.0", "trl", "datasets", "accelerate", "gguf"]
+VERSIONS = ["transformers", "torch", "trl", "accelerate", "vllm"]  # recorded for each side
 PROMPTS, GROUP, NEW_TOKENS, LR = 2, 8, 48, 5e-6  # P1 on the CPU; the GPU variant sets its sizes on the command line
 SMOKE_SYSTEM_PROMPT = "Reverse the text you are given, character by character."  # no peer script in a smoke run
 
@@ -118,6 +131,8 @@ def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Nam
         "trainer": {
             "optim": {"lr": args.lr},
             **threads.get("trainer", {}),
+            **({} if args.backward_dtype is None else {"train": {**threads.get("trainer", {}).get("train", {}),
+                                                                 "backward_dtype": args.backward_dtype}}),
             "ckpt": {"save_at_end": False},  # the peer saves nothing either
         },
     }
@@ -135,8 +150,12 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
 
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.time()
-    result = subprocess.run([sys.executable, "-m", "primerl.cli", "rl", "@", str(config), f"--output_dir={run_dir}"],
-                            check=False, capture_output=True, text=True, cwd=REPO)
+    try:
+        result = subprocess.run([sys.executable, "-m", "primerl.cli", "rl", "@", str(config),
+                                 f"--output_dir={run_dir}"], check=False, capture_output=True, text=True, cwd=REPO,
+                                timeout=args.side_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"primerl rl did not finish within {args.side_timeout_s:.0f} s") from None
     wall = time.time() - started
     if result.returncode != 0:
         raise SystemExit(f"primerl rl failed ({result.returncode}):\n{result.stdout}\n{result.stderr}")
@@ -148,11 +167,15 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     return {
         "seconds": round(seconds, 2),
         "wall_s": round(wall, 2),
+        "clock": "from the first generation to the trainer's last step",
         "rollouts_per_s": round(per_step * args.steps / seconds, 4),
+        "cold_rollouts_per_s": round(per_step * args.steps / wall, 4),
+        "backward_dtype": backward_dtype(run_dir, args),
         "steady_rollouts_per_s": _steady_rate([r["time"] for r in trained], per_step),
         "steady_s_per_step": round(statistics.median(b["time"] - a["time"] for a, b in itertools.pairwise(trained)), 3)
         if len(trained) > 1 else None,
         "lost_rollouts": sum(r.get("errors") or 0 for r in batches),
+        "completion_tokens": round(sum((r.get("completion_len_mean") or 0) * per_step for r in batches)),
         "rewards": [round(r["reward_mean"], 4) for r in batches],
         "mismatch_kl": [r.get("mismatch_kl") for r in trained],
         "trainer_step_s": [round(r.get("step_s") or 0, 3) for r in trained],
@@ -164,18 +187,57 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     }
 
 
-def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: argparse.Namespace) -> dict:
-    command = [str(python), str(script), "--model-dir", str(model_dir), "--prompts", str(prompts),
-               "--steps", str(args.steps), "--rollouts", str(args.prompts_per_step * args.group),
-               "--group", str(args.group), "--max-new-tokens", str(args.new_tokens), "--lr", str(args.lr),
-               *(["--bf16"] if args.bf16 else [])]
+def backward_dtype(run_dir: Path, args: argparse.Namespace) -> dict:
+    """primerl's `train.backward_dtype`: the setting, and the dtype the trainer resolved it to (its start-up log)."""
+    log = run_dir / "logs" / "trainer.log"
+    match = re.search(r"compute (\w+) \(backward (\w+)\)", log.read_text()) if log.is_file() else None
+    return {"setting": args.backward_dtype or "auto", "compute": match[1] if match else None,
+            "backward": match[2] if match else None}
+
+
+def primerl_versions() -> dict:
+    """The versions primerl's processes import (this interpreter, this environment)."""
+    return package_versions(sys.executable, VERSIONS)
+
+
+def trl_env(args: argparse.Namespace) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV",)}
     if args.trl_pythonpath is not None:
         env["PYTHONPATH"] = args.trl_pythonpath
     else:
         env.pop("PYTHONPATH", None)
+    if args.trl_vllm_colocate:  # vLLM's external launcher reads torch.distributed's variables: one rank, as torchrun
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port))
+    return env
+
+
+def trl_generation(args: argparse.Namespace) -> dict:
+    """How the peer generates, as written into the result."""
+    if not args.trl_vllm_colocate:
+        return {"mode": "generate"}
+    return {"mode": "vllm-colocate", "vllm_gpu_memory_utilization": args.trl_vllm_memory,
+            "vllm_sleep": args.trl_vllm_sleep}
+
+
+def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: argparse.Namespace) -> dict:
+    command = [str(python), str(script), "--model-dir", str(model_dir), "--prompts", str(prompts),
+               "--steps", str(args.steps), "--rollouts", str(args.prompts_per_step * args.group),
+               "--group", str(args.group), "--max-new-tokens", str(args.new_tokens), "--lr", str(args.lr),
+               *(["--bf16"] if args.bf16 else []),
+               *(["--vllm-colocate", "--vllm-gpu-memory-utilization", str(args.trl_vllm_memory)]
+                 if args.trl_vllm_colocate else []),
+               *(["--vllm-sleep"] if args.trl_vllm_colocate and args.trl_vllm_sleep else [])]
+    env = trl_env(args)
     started = time.time()
-    result = subprocess.run(command, check=False, capture_output=True, text=True, env=env)
+    try:
+        result = subprocess.run(command, check=False, capture_output=True, text=True, env=env,
+                                timeout=args.side_timeout_s)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"the TRL peer did not finish within {args.side_timeout_s:.0f} s") from None
     wall = time.time() - started
     if result.returncode != 0:
         raise SystemExit(f"the TRL peer failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
@@ -185,7 +247,10 @@ def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: ar
     return {
         "seconds": summary["seconds"],
         "wall_s": round(wall, 2),
+        "clock": "trainer.train()",
+        "generation": trl_generation(args),
         "rollouts_per_s": summary["rollouts_per_s"],
+        "cold_rollouts_per_s": round(args.prompts_per_step * args.group * args.steps / wall, 4),
         "steady_rollouts_per_s": _steady_rate([s["t"] for s in steps], args.prompts_per_step * args.group),
         "rewards": summary["rewards"],
     }
@@ -202,6 +267,7 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
         return round(a / b, 3) if a and b else None
 
     ours, ours_steady = median("primerl", "rollouts_per_s"), median("primerl", "steady_rollouts_per_s")
+    ours_cold, peer_cold = median("primerl", "cold_rollouts_per_s"), median("trl", "cold_rollouts_per_s")
     with_peer = [r for r in rounds if r.get("trl")]
     peer = statistics.median(r["trl"]["rollouts_per_s"] for r in with_peer) if with_peer else None
     peer_steady = statistics.median(r["trl"]["steady_rollouts_per_s"] for r in with_peer
@@ -214,6 +280,13 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
         "primerl_steady_rollouts_per_s": ours_steady,
         "trl_steady_rollouts_per_s": peer_steady,
         "steady_ratio": ratio(ours_steady, peer_steady),
+        "primerl_cold_rollouts_per_s": ours_cold,
+        "trl_cold_rollouts_per_s": peer_cold,
+        "cold_ratio": ratio(ours_cold, peer_cold),
+        "clocks": {"primerl": "first generation to the trainer's last step (its processes already up)",
+                   "trl": "trainer.train() (the model loaded)",
+                   "cold": "process start to exit on both sides (primerl: the whole rl command)"},
+        "primerl_backward_dtype": rounds[-1]["primerl"].get("backward_dtype"),
         "primerl_lost_rollouts": sum(r["primerl"]["lost_rollouts"] for r in rounds),
         "primerl_rewards": rounds[-1]["primerl"]["rewards"],
         "trl_rewards": with_peer[-1]["trl"]["rewards"] if with_peer else None,
@@ -223,7 +296,9 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
                    "precision": "bfloat16" if args.bf16 else "float32", "primerl_max_async_steps": 1,
                    "primerl_weight_transfer": args.weight_transfer, "primerl_max_batch_size": args.max_batch_size,
                    "primerl_engine_compile": args.engine_compile, "primerl_decode_steps": args.decode_steps,
-                   "primerl_engine_overlap": args.engine_overlap},
+                   "primerl_engine_overlap": args.engine_overlap, "primerl_engine": args.engine,
+                   "primerl_backward_dtype_setting": args.backward_dtype or "auto",
+                   "trl_generation": trl_generation(args)},
     }
 
 
@@ -263,6 +338,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", help="primerl's CPU threads as ENGINE,TRAINER (default: rl splits the cores)")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--skip-trl", action="store_true", help="primerl only (e.g. a learning run)")
+    parser.add_argument("--backward-dtype", choices=["auto", "float32", "bfloat16"],
+                        help="primerl's train.backward_dtype (default: the trainer's, auto)")
+    parser.add_argument("--trl-vllm-colocate", action="store_true",
+                        help="the peer generates with vLLM colocated on the same GPU (its --vllm-colocate)")
+    parser.add_argument("--trl-vllm-memory", type=float, default=0.3,
+                        help="with --trl-vllm-colocate: vLLM's share of the GPU memory (the peer's default 0.3)")
+    parser.add_argument("--trl-vllm-sleep", action="store_true", help="with --trl-vllm-colocate: vLLM's sleep mode")
+    parser.add_argument("--side-timeout-s", type=float, help="limit of each primerl and peer run (default: none)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     add_smoke_flag(parser)
     args = parser.parse_args(argv)
@@ -288,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
     config = work / "primerl.toml"
     config.write_text(tomli_w.dumps(primerl_config(model_dir, system_file, args)))
 
+    versions = {"primerl": primerl_versions(),
+                "trl": None if python is None else package_versions(str(python), VERSIONS, trl_env(args))}
     rounds = []
     for i in range(args.rounds):
         ours = run_primerl(config, work / f"primerl-{i}", args)
@@ -295,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         peer = None if python is None else run_trl(python, args.trl_script, model_dir, prompts, args)
         print(f"round {i}: trl {json.dumps(peer)}", file=sys.stderr, flush=True)
         rounds.append({"primerl": ours, "trl": peer})
-        result = summarize(rounds, str(args.model_dir or args.model), args)
+        result = {**summarize(rounds, str(args.model_dir or args.model), args), "versions": versions}
         if args.smoke:
             not_run(result, "trl", "the peer runs in its own virtual environment with TRL (--trl-venv), which a "
                     "smoke run does not build")

