@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_rl_x1.sh handoff OUT   # the shared weight handoff alone (Qwen3-0.6B, 3 versions)
 #   bash benchmarks/gpu_rl_x1.sh p3 OUT        # decode profile (eager, compiled, experiments), then P3 compiled
 #   bash benchmarks/gpu_rl_x1.sh p1 OUT        # P1 alone: P1_ROUNDS (default 2) alternating pairs, primerl's logs
+#                                              # P1_TRL_VLLM=1: the peer generates with vLLM colocated (needs
+#                                              # $VLLM_SITE; P1_TRL_VLLM_MEMORY, P1_TRL_VLLM_SLEEP)
 #   bash benchmarks/gpu_rl_x1.sh part-0 OUT    # copy .carry/smollm2/part-00 (and the site packages) to /tmp
 #   bash benchmarks/gpu_rl_x1.sh learn OUT     # copy part-01, join, convert SmolLM2, 20 RL steps with its weights
 #                                              # (py-spy on the orchestrator and server), then the weight handoff
@@ -98,7 +100,9 @@ p1_round() {  # primerl/TRL pairs (alternating; default one) on the random SmolL
     local name=$1 rounds=${2:-1}
     random_smollm2
     run "$name" $((40 + 210 * rounds)) python3 benchmarks/e2e_vs_trl.py --trl-script "$peer" --trl-python python3 \
-        --trl-pythonpath "$trl" --model-dir "$model" --bf16 --rounds "$rounds" --steps 10 --prompts-per-step 16 --group 8 \
+        --trl-pythonpath "${P1_TRL_VLLM:+$vllm_site:}$trl" ${P1_TRL_VLLM:+--trl-vllm-colocate} \
+        ${P1_TRL_VLLM_MEMORY:+--trl-vllm-memory "$P1_TRL_VLLM_MEMORY"} ${P1_TRL_VLLM_SLEEP:+--trl-vllm-sleep} \
+        --model-dir "$model" --bf16 --rounds "$rounds" --steps 10 --prompts-per-step 16 --group 8 \
         --new-tokens 128 --seq-len "${P1_SEQ_LEN:-2048}" --max-batch-size 128 --weight-transfer shared \
         --work-dir "/tmp/p1-$name" ${P1_SKIP_TRL:+--skip-trl} ${P1_COMPILE:+--engine-compile} \
         ${P1_NO_COMPILE:+--no-engine-compile} ${P1_DECODE_STEPS:+--decode-steps "$P1_DECODE_STEPS"} \
@@ -222,7 +226,8 @@ vllm-p3)
     cp /tmp/primerl-vllm/vllm_h200.json "$out/"
     ;;
 vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the site
-    [ -d "$vllm_site/vllm" ] || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
+    [ -d "$vllm_site/vllm" ] \
+        || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
     mkdir -p /tmp/primerl-vllm
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_offline 525 python3 benchmarks/vllm_offline.py \
         --sides "${OFFLINE_SIDES:-vllm-offline,adapter,server-vllm,server-embedded}" \
@@ -231,16 +236,19 @@ vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the 
     cp /tmp/primerl-vllm/vllm_offline.json "$out/"
     ;;
 p1-cell)  # one cell of the P1-GPU matrix; the random Qwen3 models take .carry/qwen3-tok's tokenizer (QWEN3_TOK)
-    [ -n "${CELL:-}" ] || { echo "set CELL=ARCH/TOKENS/PROMPTSxGROUP (python3 benchmarks/p1_gpu_matrix.py --list)"; exit 2; }
+    [ -n "${CELL:-}" ] \
+        || { echo "set CELL=ARCH/TOKENS/PROMPTSxGROUP (python3 benchmarks/p1_gpu_matrix.py --list)"; exit 2; }
     case "$CELL" in qwen3*) tok=${QWEN3_TOK:-.carry/qwen3-tok} ;; *) tok=.carry/smollm2-tok ;; esac
     [ -f "$tok/tokenizer_config.json" ] || { echo "no tokenizer at $tok: carry its files (or set QWEN3_TOK)"; exit 2; }
     mkdir -p /tmp/primerl-matrix  # the matrix file stays there across the calls of a warm machine
-    [ -f /tmp/primerl-matrix/p1_gpu_matrix.json ] || cp benchmarks/results/p1_gpu_matrix.json /tmp/primerl-matrix/ 2>/dev/null
+    [ -f /tmp/primerl-matrix/p1_gpu_matrix.json ] \
+        || cp benchmarks/results/p1_gpu_matrix.json /tmp/primerl-matrix/ 2>/dev/null
     PYTHONPATH="$vllm_site:$PYTHONPATH" run p1_cell 530 python3 benchmarks/p1_gpu_matrix.py --cell "$CELL" \
         --sides "${CELL_SIDES:-primerl-embedded,primerl-vllm,trl-vllm,trl-generate}" --steps "${CELL_STEPS:-8}" \
         --trl-script "$peer" --trl-python python3 --trl-pythonpath "$vllm_site:$trl" --tokenizer-dir "$tok" \
         --side-timeout-s "${SIDE_TIMEOUT_S:-240}" ${TRL_VLLM_MEMORY:+--trl-vllm-memory "$TRL_VLLM_MEMORY"} \
-        ${TRL_VLLM_SLEEP:+--trl-vllm-sleep} --work-dir /tmp/primerl-matrix/runs --out /tmp/primerl-matrix/p1_gpu_matrix.json
+        ${TRL_VLLM_SLEEP:+--trl-vllm-sleep} --work-dir /tmp/primerl-matrix/runs \
+        --out /tmp/primerl-matrix/p1_gpu_matrix.json
     cp /tmp/primerl-matrix/p1_gpu_matrix.json "$out/"
     ;;
 vllm-rl)
