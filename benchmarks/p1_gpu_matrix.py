@@ -40,6 +40,9 @@ TOKENS, ROLLOUTS = (128, 512), ((16, 8), (64, 8))
 SIDES = ("primerl-embedded", "primerl-vllm", "trl-vllm", "trl-generate")
 QWEN3_1_7B = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
               "num_key_value_heads": 8, "head_dim": 128}  # the rest as Qwen3-0.6B
+SMOKE_SKIPS = {"primerl-vllm": "vLLM needs a CUDA device; a smoke run is CPU-only",
+               "trl-vllm": "the peer needs its own environment with TRL and vLLM on a CUDA device",
+               "trl-generate": "the peer needs its own environment with TRL, which a smoke run does not build"}
 CELL = re.compile(r"^([\w.-]+)/(\d+)/(\d+)x(\d+)$")
 
 
@@ -101,13 +104,17 @@ def run_side(side: str, e2e: argparse.Namespace, model_dir: Path, work: Path) ->
     import tomli_w
     from e2e_vs_trl import (
         SMOKE_SYSTEM_PROMPT,
+        VERSIONS,
         ensure_trl_venv,
         peer_system_prompt,
         primerl_config,
+        primerl_versions,
         run_primerl,
         run_trl,
+        trl_env,
         write_prompts,
     )
+    from sides import package_versions
 
     system = peer_system_prompt(e2e.trl_script) if e2e.trl_script else SMOKE_SYSTEM_PROMPT
     prompts, system_file = write_prompts(work, system)
@@ -116,10 +123,11 @@ def run_side(side: str, e2e: argparse.Namespace, model_dir: Path, work: Path) ->
             e2e.engine = "vllm" if side == "primerl-vllm" else "hf"
             config = work / f"{side}.toml"
             config.write_text(tomli_w.dumps(primerl_config(model_dir, system_file, e2e)))
-            return run_primerl(config, work / side, e2e)
+            return {**run_primerl(config, work / side, e2e), "versions": primerl_versions()}
         e2e.trl_vllm_colocate = side == "trl-vllm"
         python = e2e.trl_python or ensure_trl_venv(e2e.trl_venv)
-        return run_trl(python, e2e.trl_script, model_dir, prompts, e2e)
+        versions = package_versions(str(python), VERSIONS, trl_env(e2e))
+        return {**run_trl(python, e2e.trl_script, model_dir, prompts, e2e), "versions": versions}
     except SystemExit as e:  # e2e_vs_trl's one-line failures
         return {"error": str(e)[-3000:]}
 
@@ -128,8 +136,8 @@ def figures(side: str, run: dict, tokens: int, per_step: int, steps: int) -> dic
     """The matrix's fields of one side's run."""
     if "error" in run:
         return run
-    out = {key: run.get(key) for key in ("rollouts_per_s", "steady_rollouts_per_s", "cold_rollouts_per_s", "seconds",
-                                         "wall_s", "rewards", "backward_dtype", "generation")}
+    out = {key: run[key] for key in ("rollouts_per_s", "steady_rollouts_per_s", "cold_rollouts_per_s", "seconds",
+                                     "wall_s", "rewards", "backward_dtype", "generation", "versions") if key in run}
     out["lost_rollouts"] = run.get("lost_rollouts", 0 if side.startswith("trl-") else None)
     if side.startswith("trl-"):
         out["lost_rollouts_note"] = "TRL trains on every rollout it generated (no server between)"
@@ -216,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     matrix.setdefault("benchmark", "P1-GPU matrix: primerl (embedded, vLLM) vs TRL GRPOTrainer (vLLM colocate, "
                       "generate)")
     entry = matrix.setdefault("cells", {}).setdefault(args.cell, {"sides": {}})
-    entry["settings"] = {"arch": arch, "model": str(args.model_dir or f"{arch} (random init)"),
+    entry["settings"] = {"arch": arch, "model": "tiny (the registry's)" if args.smoke else
+                         str(args.model_dir or f"{arch} (random init)"),
                          "tokenizer": str(args.tokenizer_dir) if args.tokenizer_dir else None, "new_tokens": tokens,
                          "prompts_per_step": prompts, "rollouts_per_prompt": group, "steps": e2e.steps, "lr": e2e.lr,
                          "precision": "bfloat16" if e2e.bf16 else "float32", "primerl_weight_transfer":
@@ -225,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in SIDES:
         if side not in chosen:
             if args.smoke:
-                not_run(matrix, f"{args.cell}.{side}", "needs a GPU (vLLM) or the peer's environment with TRL; a "
-                        "smoke run is CPU-only and runs primerl with the embedded engine alone")
+                not_run(matrix, f"{args.cell}.{side}", SMOKE_SKIPS[side])
             continue
         print(f"=== {args.cell} {side}", file=sys.stderr, flush=True)
         run = run_side(side, e2e, model_dir, work)

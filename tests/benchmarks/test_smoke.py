@@ -81,6 +81,7 @@ def check_p1_gpu_matrix(result: dict) -> None:
     side = cell["sides"]["primerl-embedded"]
     assert side["rollouts_per_s"] > 0 and side["steady_rollouts_per_s"] > 0 and side["tokens_per_s"] > 0, side
     assert side["lost_rollouts"] == 0 and len(side["rewards"]) == 2 and side["card"] == "cpu", side
+    assert side["versions"]["torch"] and side["backward_dtype"]["backward"] in ("bfloat16", "float32"), side
     assert not [k for k in cell if "_ratio_vs_" in k], cell  # no peer ran: no ratio
 
 
