@@ -98,7 +98,8 @@ class SoftwareSection(Section):
 
     kind: Literal["uv", "image"] = Field("uv", description="uv = <project_dir>/.venv from uv.lock; image = docker")
     project_dir: str | None = Field(None, description="uv: the project on every host (default: this checkout's path)")
-    sync: bool = Field(True, description="uv: run `uv sync --locked` on a host whose environment is not in sync")
+    sync: bool = Field(True, description="uv: run `uv sync --locked --inexact` on a host whose environment lacks "
+                       "packages of uv.lock (packages installed beside the lock stay)")
     uv: str = Field("uv", description="uv: the uv program on the hosts (a name on PATH or an absolute path)")
     image: str | None = Field(None, description="image: image id sha256:<64 hex> (default: the recipe's pin)")
 

@@ -187,22 +187,13 @@ class SshTarget:
         sw = self.plan.software
         if sw.kind == "image":
             return self._image(conn)
-        project, uv = shlex.quote(sw.project_dir), shlex.quote(self.deploy.software.uv)
-        found = run_checked(conn, f"sha256sum {project}/uv.lock", "uv.lock").split()[0]
+        found = run_checked(conn, f"sha256sum {shlex.quote(sw.project_dir)}/uv.lock", "uv.lock").split()[0]
         pinned = self.plan.recipe.pins.lock_sha256
         if found != pinned:
             raise HostError(f"{sw.project_dir}/uv.lock has sha256 {found[:12]}..., the recipe pins {pinned[:12]}...")
-        # --inexact: packages installed beside the lock (an environment the user added) stay; only what the lock
-        # pins is checked and installed
-        if conn.run(f"cd {project} && {uv} sync --locked --inexact --check", hide=True, warn=True).exited == 0:
+        changed = sync_environment(conn, sw.project_dir, self.deploy.software.uv, self.deploy.software.sync)
+        if changed is None:
             return f"uv environment has uv.lock {found[:12]}...'s packages"
-        if not self.deploy.software.sync:
-            raise HostError(f"{sw.project_dir}/.venv lacks packages of uv.lock (deploy.software.sync = false)")
-        result = conn.run(f"cd {project} && {uv} sync --locked --inexact", hide=True, warn=True, pty=False)
-        if result.exited != 0:
-            why = root_cause(result.stdout + result.stderr)
-            raise HostError(f"uv sync --locked --inexact: exit {result.exited}: {why}")
-        changed = describe_sync(result.stdout + result.stderr)
         report.notes["software"] = f"uv sync --locked --inexact in {sw.project_dir}: {changed}"
         return f"uv environment synced from uv.lock {found[:12]}...: {changed}"
 
@@ -284,6 +275,21 @@ def aligned(grid: list[list[str]]) -> list[str]:
     """The rows of `grid` as text, every column padded to its widest cell, two spaces between columns."""
     widths = [max(len(row[i]) for row in grid) for i in range(len(grid[0]))]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in grid]
+
+
+def sync_environment(conn, project_dir: str, uv: str, allowed: bool) -> str | None:
+    """Make `<project_dir>/.venv` hold every package of its uv.lock: None when it already does, else what `uv sync
+    --locked --inexact` changed (`describe_sync`). Inexact: packages installed beside the lock (an environment the
+    user added) stay; an exact sync would uninstall them. HostError when the sync fails or is not `allowed`."""
+    project, uv = shlex.quote(project_dir), shlex.quote(uv)
+    if conn.run(f"cd {project} && {uv} sync --locked --inexact --check", hide=True, warn=True).exited == 0:
+        return None
+    if not allowed:
+        raise HostError(f"{project_dir}/.venv lacks packages of uv.lock (deploy.software.sync = false)")
+    result = conn.run(f"cd {project} && {uv} sync --locked --inexact", hide=True, warn=True, pty=False)
+    if result.exited != 0:
+        raise HostError(f"uv sync --locked --inexact: exit {result.exited}: {root_cause(result.stdout + result.stderr)}")
+    return describe_sync(result.stdout + result.stderr)
 
 
 def describe_sync(output: str) -> str:

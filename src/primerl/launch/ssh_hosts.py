@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import errno
 import hashlib
+import logging
 import os
 import socket
 import sys
@@ -31,6 +32,8 @@ from primerl.config.deploy import HostSection
 SYSTEM_KNOWN_HOSTS = Path("/etc/ssh/ssh_known_hosts")
 USER_KNOWN_HOSTS = Path("~/.ssh/known_hosts")
 _RECORDING = threading.Lock()  # hosts connect in parallel; their new keys go to one file
+# paramiko logs a failed handshake with its traceback on stderr; the HostError line says it once, readably
+logging.getLogger("paramiko").addHandler(logging.NullHandler())
 
 
 class HostError(Exception):
@@ -165,6 +168,6 @@ def describe_connect_error(error: BaseException, timeout_s: float) -> str:
                 errno.EHOSTUNREACH: "no route to host", errno.ENETUNREACH: "network unreachable"}.get(
             error.errno, (error.strerror or str(error)).lower())
     if isinstance(error, EOFError) or "Error reading SSH protocol banner" in str(error):
-        return "the port answered but not as an SSH server"
+        return "the port answered, but not as an SSH server (no SSH banner)"
     text = str(error).splitlines()[0] if str(error) else type(error).__name__
     return text.replace("[Errno None] ", "")
