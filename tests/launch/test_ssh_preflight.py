@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from primerl.launch.host_software import describe_sync, sync_environment
 from primerl.launch.plan import PlanError, build_plan, load_deploy
 from primerl.launch.progress import root_cause
-from primerl.launch.ssh import SshTarget, describe_sync, sync_environment
+from primerl.launch.ssh import SshTarget
 from primerl.recipes.schema import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,7 +196,7 @@ def test_sync_keeps_packages_installed_beside_the_lock_and_says_what_it_changed(
 
 
 def test_sync_not_allowed_names_the_project(uv_project):
-    from primerl.launch.ssh import HostError
+    from primerl.launch.ssh_hosts import HostError
 
     conn, project, uv = uv_project
     with pytest.raises(HostError, match=r"\.venv lacks packages of uv\.lock \(deploy\.software\.sync = false\)"):
