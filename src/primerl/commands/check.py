@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=_names, default=[], help="comma-separated steps to leave out")
     parser.add_argument("--run-dir", type=Path, help=f"run directory to check (default: runs/<recipe> or {DEFAULT_RUN_DIR})")
     parser.add_argument("--report", type=Path, help="JSON report path (default: <run dir>/checklist.json)")
-    parser.add_argument("--log-dir", type=Path, help="the heavy steps' configs and logs (default: <run dir>/logs/checklist); "
-                        "every host of a launch gets its own")
+    parser.add_argument("--log-dir", type=Path, help="the heavy steps' configs and logs (default: <run "
+                        "dir>/logs/checklist); every host of a launch gets its own")
     parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
                         help="fail a heavy step after S seconds without progress: no new output and no CPU time spent "
                         f"by its processes (default {STALL_TIMEOUT_S:.0f})")

@@ -24,7 +24,8 @@ def sync_environment(conn, project_dir: str, uv: str, allowed: bool) -> str | No
         raise HostError(f"{project_dir}/.venv lacks packages of uv.lock (deploy.software.sync = false)")
     result = conn.run(f"cd {project} && {uv} sync --locked --inexact", hide=True, warn=True, pty=False)
     if result.exited != 0:
-        raise HostError(f"uv sync --locked --inexact: exit {result.exited}: {root_cause(result.stdout + result.stderr)}")
+        why = root_cause(result.stdout + result.stderr)
+        raise HostError(f"uv sync --locked --inexact: exit {result.exited}: {why}")
     return describe_sync(result.stdout + result.stderr)
 
 

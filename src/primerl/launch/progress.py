@@ -91,8 +91,9 @@ _PREFIX = re.compile(r"^(?:\[[^\]\s]+\]\s|[\w.@-]+ \| )")
 def root_cause(text: str) -> str:
     """The line of a failing command's output that says why it failed, rather than its last line (often something
     a process printed on its way down). In order: the exception line that ends the last Python traceback (of the
-    same process, where lines carry a process prefix); else the last line that reads as an error (`error:`, `failed`); else the last non-blank line; `(no output)` for none.
-    A `[name] ` or `name | ` prefix on a line is kept off the match, not off the result."""
+    same process, where lines carry a process prefix); else the last line that reads as an error (`error:`,
+    `failed`); else the last non-blank line; `(no output)` for none. A `[name] ` or `name | ` prefix on a line is
+    kept off the match, not off the result."""
     lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     if not lines:
         return "(no output)"

@@ -2,11 +2,12 @@
 
 1. Plan (`primerl.launch.plan`): the roles on the hosts, the configs; `--dry-run` prints it and stops.
 2. Preflight, every host in parallel: reachable, its host key known (`primerl.launch.ssh_hosts`: known_hosts, or
-   recorded on first contact with --accept-new-host-keys) and our key accepted; the run directory is the same directory on
-   every host (a file one host writes, the others read); free disk; the software at the pinned version (uv: the
-   project's uv.lock has the pinned sha256 and `.venv` has its packages, synced when not with `uv sync --locked
-   --inexact`, which keeps packages installed beside the lock (environments) and is reported package by package;
-   image: the image id present, loaded from this machine's Docker daemon when missing).
+   recorded on first contact with --accept-new-host-keys) and our key accepted; the run directory is the same
+   directory on every host (a file one host writes, the others read); free disk; the software at the pinned version
+   (`primerl.launch.host_software`; uv: the project's uv.lock has the pinned sha256 and `.venv` has its packages,
+   synced when not with `uv sync --locked --inexact`, which keeps packages installed beside the lock (environments)
+   and is reported package by package; image: the image id present, loaded from this machine's Docker daemon when
+   missing).
 3. The validation checklist on every host in parallel (`deploy.checklist_skip` leaves steps out); one table of all
    hosts' results. Any failure in 2 or 3 names the host, starts nothing, and exits 1.
 4. The run directory gets the configs and the admin token (through the first host: the directory is shared), then the
