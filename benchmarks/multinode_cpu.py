@@ -56,12 +56,17 @@ def trainer_times(run_dir: Path) -> list[float]:
     return sorted(r["time"] for r in records if r.get("source") == "trainer")
 
 
-def write_deploy(work: Path, name: str, roles: dict, addresses: dict[str, str], key: Path) -> Path:
-    """The layout's deploy file: every host as root with `key`, one thread per process, the light checklist."""
+def write_deploy(work: Path, name: str, roles: dict, addresses: dict[str, str], key: Path,
+                 known_hosts: Path | None = None) -> Path:
+    """The layout's deploy file: the hosts its roles use (a listed host without a role is refused), each as root with
+    `key`, one thread per process, the light checklist; the hosts' keys in `known_hosts`."""
+    used = {*roles["inference"], roles["orchestrator"], *roles["trainer"]}
     hosts = {h: {"address": address, "user": "root", "identity_file": str(key),
-                 "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}} for h, address in addresses.items()}
+                 "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
+             for h, address in addresses.items() if h in used}
     deploy = {"target": "ssh", "run_dir": str(work / name), "checklist_skip": LIGHT_CHECKLIST_SKIP,
-              "software": {"uv": shutil.which("uv") or "uv"}, "hosts": hosts, "roles": roles}
+              "software": {"uv": shutil.which("uv") or "uv"}, "hosts": hosts, "roles": roles,
+              **({"known_hosts": str(known_hosts)} if known_hosts else {})}
     path = work / f"{name}.toml"
     path.write_text(tomli_w.dumps({"deploy": deploy}))
     return path
@@ -80,7 +85,8 @@ def plan_layout(work: Path, name: str, roles: dict, steps: int) -> dict:
 
 def run_layout(cluster: Cluster, work: Path, name: str, roles: dict, steps: int) -> dict:
     run_dir = work / name
-    deploy_file = write_deploy(work, name, roles, {h: host.address for h, host in cluster.hosts.items()}, cluster.key)
+    deploy_file = write_deploy(work, name, roles, {h: host.address for h, host in cluster.hosts.items()}, cluster.key,
+                               cluster.known_hosts)
     command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE),
                                        "--deploy", str(deploy_file), f"--rl.max_steps={steps}")
     start = time.monotonic()

@@ -60,8 +60,8 @@ def base_python(docker_client, base_image) -> str:
 
 LAUNCHER_TESTS_VAR = "PRIMERL_LAUNCHER_TESTS"
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
-# The heavy checklist steps run whole processes; the launcher tests run the light ones on every host (the heavy ones
-# are the checklist's own tests).
+# The heavy checklist steps run whole processes: most launcher tests run the light ones on every host; the test of a
+# new user's first launch (tests/system/test_launch_ssh.py) runs the whole checklist on two hosts.
 CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
 
 
@@ -119,8 +119,8 @@ def slurm(tmp_path_factory):
 @pytest.fixture(scope="session")
 def slurm_login(slurm, tmp_path_factory):
     """A login host for the Slurm cluster: sshd on loopback whose sessions get SLURM_CONF. Yields a [deploy.hosts]
-    entry."""
-    from netns_hosts import make_keys, start_sshd
+    entry, plus `known_hosts`: the file (for deploy.known_hosts) that holds its host key."""
+    from netns_hosts import known_hosts_line, make_keys, start_sshd
 
     from primerl.ports import free_port
 
@@ -129,6 +129,9 @@ def slurm_login(slurm, tmp_path_factory):
     port = free_port()
     sshd = start_sshd(workdir, "login", "127.0.0.1", port, host_key, authorized,
                       extra_config=f"SetEnv SLURM_CONF={slurm.conf}\n")
-    yield {"address": "127.0.0.1", "port": port, "user": "root", "identity_file": str(key)}
+    known_hosts = workdir / "known_hosts"  # the launcher verifies the login host's key against it
+    known_hosts.write_text(known_hosts_line("127.0.0.1", port, host_key))
+    yield {"address": "127.0.0.1", "port": port, "user": "root", "identity_file": str(key),
+           "known_hosts": str(known_hosts)}
     sshd.terminate()
     sshd.wait(timeout=30)

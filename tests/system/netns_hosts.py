@@ -85,6 +85,10 @@ class Cluster:
             run("ip", "-n", host.netns, "link", "set", "eth0", "up")
             self.hosts[name] = host
             self._start_sshd(host)
+        # what a user's known_hosts would hold for these hosts: the launcher verifies host keys against it
+        self.known_hosts = self.workdir / "known_hosts"
+        self.known_hosts.write_text("".join(known_hosts_line(h.address, 22, self.host_key)
+                                            for h in self.hosts.values()))
 
     def _start_sshd(self, host: Host) -> None:
         host.sshd = start_sshd(self.workdir, host.name, host.address, 22, self.host_key, self.authorized, host.netns)
@@ -131,6 +135,18 @@ def make_keys(workdir: Path) -> tuple[Path, Path, Path, Path]:
     authorized.chmod(0o600)
     Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege separation directory
     return key, other, host_key, authorized
+
+
+def known_hosts_line(address: str, port: int, host_key: Path) -> str:
+    """The known_hosts line of an sshd on address:port with `host_key`, read from the key's .pub file."""
+    name = address if port == 22 else f"[{address}]:{port}"
+    kind, blob = host_key.with_name(host_key.name + ".pub").read_text().split()[:2]
+    return f"{name} {kind} {blob}\n"
+
+
+def host_key_fingerprint(host_key: Path) -> str:
+    """`SHA256:...` of `host_key`, as ssh-keygen prints it."""
+    return run("ssh-keygen", "-l", "-f", str(host_key)).stdout.split()[1]
 
 
 def start_sshd(workdir: Path, name: str, address: str, port: int, host_key: Path, authorized: Path,

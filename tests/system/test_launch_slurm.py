@@ -22,6 +22,8 @@ def launch_command(tmp_path: Path, *overrides: str, login: dict | None = None) -
     deploy = {"target": "slurm", "run_dir": str(tmp_path / "run"), "checklist_skip": CHECKLIST_SKIP,
               "slurm": {"time_limit": "00:20:00", "poll_s": 0.5}}
     if login is not None:  # submit, follow and read the log over SSH on the login host
+        login = dict(login)
+        deploy["known_hosts"] = login.pop("known_hosts")
         deploy["hosts"] = {"login": login}
         deploy["slurm"]["login_host"] = "login"
     (tmp_path / "slurm.toml").write_text(tomli_w.dumps({"deploy": deploy}))

@@ -22,14 +22,16 @@ pytestmark = pytest.mark.launchers
 
 
 def write_deploy(path: Path, cluster, run_dir: Path, roles: dict, hosts: dict | None = None, **extra) -> Path:
-    """A deploy file for `cluster`: every host with the test key, gloo on the host's own interface."""
+    """A deploy file for `cluster`: every host with the test key, gloo on the host's own interface, the hosts' keys
+    in the known_hosts file the launcher checks."""
     hosts = hosts if hosts is not None else {
         name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
                "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
         for name, h in cluster.hosts.items()
     }
     deploy = {"target": "ssh", "run_dir": str(run_dir), "checklist_skip": CHECKLIST_SKIP, "connect_timeout_s": 5,
-              "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv")}, "hosts": hosts, "roles": roles, **extra}
+              "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv")}, "hosts": hosts, "roles": roles,
+              "known_hosts": str(cluster.known_hosts), **extra}
     path.write_text(tomli_w.dumps({"deploy": deploy}))
     return path
 
@@ -62,10 +64,43 @@ def test_down_host_and_refused_key_named_in_preflight_nothing_started(cluster, t
     done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles, hosts))
     out = done.stdout
     assert done.returncode == 1
-    assert "down: connect failed: unreachable" in out
-    assert "nokey: connect failed: refused the login" in out
+    assert f"down: connect failed: host down ({cluster.unused_address}:22): " in out
+    assert f"nokey: connect failed: host nokey ({cluster.hosts['b'].address}:22): refused the login of root" in out
+    assert "Errno" not in out and "Traceback" not in done.stderr
     assert "preflight failed on host(s) down (connect); nokey (connect); nothing was started" in out
     assert "starting" not in out and not (run_dir / "logs").exists() and not (run_dir / "config").exists()
+    assert_nothing_left(cluster, run_dir)
+
+
+def test_unknown_host_keys_are_refused_unless_accepted_then_recorded_and_verified(cluster, tmp_path):
+    """A known_hosts file without the hosts' keys: refused, named with the fingerprint and the flag; with
+    --accept-new-host-keys each key is logged and recorded; the next launch verifies them. The run directory already
+    holds a run, so every launch stops right after connecting."""
+    from netns_hosts import host_key_fingerprint
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("")
+    known = tmp_path / "known_hosts"
+    known.write_text("")
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles, known_hosts=str(known))
+    print_ = host_key_fingerprint(cluster.host_key)
+    refused = launch(cluster, deploy)
+    assert refused.returncode == 1
+    for name in ("a", "b"):
+        assert (f"{name}: connect failed: host {name} ({cluster.hosts[name].address}:22): unknown host key "
+                f"ssh-ed25519 {print_}: not in ") in refused.stdout
+    assert "--accept-new-host-keys" in refused.stdout and known.read_text() == ""
+    accepted = launch(cluster, deploy, "--accept-new-host-keys")
+    assert accepted.returncode == 1 and "already holds a run" in accepted.stdout
+    for name in ("a", "b"):
+        assert (f"launch: host {name} ({cluster.hosts[name].address}:22): accepted the new host key ssh-ed25519 "
+                f"{print_} and recorded it in {known}") in accepted.stdout
+    assert sorted(known.read_text().splitlines()) == sorted(cluster.known_hosts.read_text().splitlines())
+    verified = launch(cluster, deploy)
+    assert verified.returncode == 1 and "connect failed" not in verified.stdout
+    assert "accepted" not in verified.stdout and "already holds a run" in verified.stdout
     assert_nothing_left(cluster, run_dir)
 
 
@@ -92,11 +127,24 @@ def test_checklist_failure_on_one_host_starts_nothing(cluster, tmp_path, tiny_mo
     assert_nothing_left(cluster, run_dir)
 
 
-def test_trainer_on_one_host_inference_and_orchestrator_on_another(cluster, tmp_path):
+def test_trainer_on_one_host_inference_and_orchestrator_on_another_after_the_full_checklist(cluster, tmp_path):
+    """A new user's first launch: the whole checklist (the heavy steps and the smoke run included) on both hosts at
+    once, each in its own `logs/checklist/<host>/` of the shared run directory, then the run."""
     run_dir = tmp_path / "run"
     roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
-    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles))
+    done = launch(cluster, write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles, checklist_skip=[]))
     assert done.returncode == 0, done.stdout[-3000:]
+    for host in ("a", "b"):
+        report = json.loads((run_dir / "checklist" / f"{host}.json").read_text())
+        statuses = {s["name"]: s["status"] for s in report["steps"]}
+        assert report["ok"] and report["log_dir"] == str(run_dir / "logs" / "checklist" / host)
+        for step in ("rl_trainer", "inference", "rl_smoke"):
+            assert statuses[step] == "passed", (host, step, report)
+        logs = run_dir / "logs" / "checklist" / host
+        assert {"rl_smoke.toml", "rl_smoke.log", "inference.toml", "inference.log", "rl_trainer.log"} <= \
+            {p.name for p in logs.iterdir()}
+        assert (logs / "rl_smoke.log").read_text().count("rl: run ") == 1  # one smoke run per log, never mixed
+    assert not [p for p in (run_dir / "logs" / "checklist").iterdir() if p.is_file()]
     assert "launch: done, 2 steps" in done.stdout
     assert "[trainer.0@b]" in done.stdout and "[inference.0@a]" in done.stdout
     assert trained_steps(run_dir) == [1, 2]
@@ -142,8 +190,9 @@ def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
     (tmp_path / "broken-b.toml").write_text(tomli_w.dumps(extra))
     done = launch(cluster, deploy, "--deploy", str(tmp_path / "broken-b.toml"))
     assert done.returncode == 1
-    assert "launch: FAILED: trainer on host b" in done.stdout
-    assert "every process was stopped" in done.stdout
+    failed = next(line for line in done.stdout.splitlines() if line.startswith("launch: FAILED: trainer on host b"))
+    # the cause, not the last line the trainer printed on its way down
+    assert re.search(r"\(trainer\.0@b\): .*(Error|error).*; every process was stopped", failed), failed
     assert not (run_dir / "metrics.jsonl").exists() or trained_steps(run_dir) == []
     assert_nothing_left(cluster, run_dir)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from primerl.launch.progress import last_line
+from primerl.launch.progress import last_line, root_cause
 from primerl.recipes.schema import Recipe
 
 Status = Literal["passed", "failed", "skipped"]
@@ -102,10 +102,10 @@ class Step:
 
 def python_child(code: str, *args: str, failed: str) -> str:
     """Run `code` in a child Python (what it imports cannot break the checklist's own process) and return the last
-    line it printed; a non-zero exit fails the step with `failed`, its "{}" filled with the last line of the child's
-    stderr."""
+    line it printed; a non-zero exit fails the step with `failed`, its "{}" filled with the line of the child's
+    stderr that says why (`primerl.launch.progress.root_cause`)."""
     proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
                           check=False)
     if proc.returncode != 0:
-        raise Fail(failed.format(last_line(proc.stderr)))
+        raise Fail(failed.format(root_cause(proc.stderr)))
     return last_line(proc.stdout)

@@ -16,7 +16,7 @@ from typing import Any
 
 from primerl.checklist.context import Context, Fail, Skip
 from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
-from primerl.launch.progress import ProgressWatch, last_line
+from primerl.launch.progress import ProgressWatch, last_line, root_cause
 from primerl.ports import free_port
 from primerl.recipes.schema import validate_stage
 
@@ -89,7 +89,8 @@ def check_inference(ctx: Context) -> str:
         with httpx.Client(base_url=base, timeout=ctx.stall_timeout_s) as client:  # a busy server answers late
             while True:
                 if server.poll() is not None:
-                    raise Fail(f"the server exited with code {server.poll()}: {last_line(server.tail())}")
+                    raise Fail(f"the server exited with code {server.poll()}: {root_cause(server.tail(200))[:300]} "
+                               f"(log: {server.log_path})")
                 try:
                     if client.get("/health").status_code == 200:
                         break
@@ -153,7 +154,7 @@ def _run_command(ctx: Context, name: str, args: Sequence[str]) -> None:
     finally:
         stop_all([proc], grace_s=10)
     if proc.poll() != 0:
-        raise Fail(f"exit code {proc.poll()}: {last_line(proc.tail())[:300]} (log: {proc.log_path})")
+        raise Fail(f"exit code {proc.poll()}: {root_cause(proc.tail(200))[:300]} (log: {proc.log_path})")
 
 
 def _follow(ctx: Context, watch: ProgressWatch, doing: str) -> None:

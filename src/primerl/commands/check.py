@@ -1,11 +1,13 @@
 """`primerl check [recipe.toml]`: run the validation checklist (`primerl.checklist`) and say whether this machine can
 run the recipe.
 
-    primerl check recipes/tiny.toml [--only a,b] [--skip c] [--run-dir DIR] [--report FILE] [--stall-timeout S]
+    primerl check recipes/tiny.toml [--only a,b] [--skip c] [--run-dir DIR] [--report FILE] [--log-dir DIR]
+        [--stall-timeout S]
 
 The console gets progress lines and a table; the JSON report goes to `--report` (default `<run dir>/checklist.json`),
-the heavy steps' logs to `<run dir>/logs/checklist/`. Exit code: 0 when nothing failed, 1 when a step failed (or the
-report cannot be written), 2 on a usage or recipe error.
+the heavy steps' configs and logs to `--log-dir` (default `<run dir>/logs/checklist/`; a launcher gives every host
+its own, `<run dir>/logs/checklist/<host>/`, so the checklists of hosts sharing a run directory never mix). Exit code:
+0 when nothing failed, 1 when a step failed (or the report cannot be written), 2 on a usage or recipe error.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip", type=_names, default=[], help="comma-separated steps to leave out")
     parser.add_argument("--run-dir", type=Path, help=f"run directory to check (default: runs/<recipe> or {DEFAULT_RUN_DIR})")
     parser.add_argument("--report", type=Path, help="JSON report path (default: <run dir>/checklist.json)")
+    parser.add_argument("--log-dir", type=Path, help="the heavy steps' configs and logs (default: <run "
+                        "dir>/logs/checklist); every host of a launch gets its own")
     parser.add_argument("--stall-timeout", type=float, default=STALL_TIMEOUT_S, metavar="S",
                         help="fail a heavy step after S seconds without progress: no new output and no CPU time spent "
                         f"by its processes (default {STALL_TIMEOUT_S:.0f})")
@@ -59,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stall_timeout <= 0:
         print("primerl check: error: --stall-timeout must be positive", file=sys.stderr)
         return 2
-    report = run_checklist(recipe, run_dir, steps, log_dir=run_dir / CHECKLIST_LOGS,
+    report = run_checklist(recipe, run_dir, steps, log_dir=args.log_dir or run_dir / CHECKLIST_LOGS,
                            stall_timeout_s=args.stall_timeout)
     print("\n" + report.table())
     report_path = args.report or run_dir / "checklist.json"

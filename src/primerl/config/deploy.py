@@ -4,6 +4,8 @@
     target = "ssh"                       # or "slurm"
     run_dir = "/shared/runs/tiny"        # absolute; the same path on every host (a shared filesystem)
     checklist_skip = ["rl_smoke"]        # checklist steps not run on the hosts (default: none)
+    known_hosts = "~/.ssh/cluster_known_hosts"  # ssh: host keys checked besides the system's and ~/.ssh/known_hosts
+    accept_new_host_keys = false         # ssh: accept (and record) keys of hosts seen for the first time
 
     [deploy.software]                    # how primerl gets onto the hosts
     kind = "uv"                          # "uv": the project's .venv synced from uv.lock; "image": docker run by id
@@ -17,7 +19,7 @@
     identity_file = "~/.ssh/id_ed25519"
     env = { GLOO_SOCKET_IFNAME = "eth0" }   # extra environment of everything run on this host
 
-    [deploy.roles]                       # ssh: which host runs what
+    [deploy.roles]                       # ssh: which host runs what (every host of [deploy.hosts] needs a role)
     inference = ["a"]                    # one inference server per entry (a host may appear twice)
     orchestrator = "a"
     trainer = ["b", "c"]                 # one torchrun node per host, node rank = position
@@ -39,7 +41,7 @@ import re
 from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from primerl.config.base import Section
 from primerl.config.checklist import STEP_NAMES
@@ -58,6 +60,17 @@ class HostSection(Section):
     env: dict[str, str] = Field(
         default_factory=dict, description="environment of everything run on this host (e.g. GLOO_SOCKET_IFNAME)"
     )
+    # the host-key rule of the [deploy] table this host is in, set by DeployConfig (`primerl.launch.ssh_hosts`)
+    _known_hosts: str | None = PrivateAttr(None)
+    _accept_new: bool = PrivateAttr(False)
+
+    @property
+    def known_hosts_file(self) -> str | None:
+        return self._known_hosts
+
+    @property
+    def accept_new_key(self) -> bool:
+        return self._accept_new
 
 
 class RolesSection(Section):
@@ -85,7 +98,8 @@ class SoftwareSection(Section):
 
     kind: Literal["uv", "image"] = Field("uv", description="uv = <project_dir>/.venv from uv.lock; image = docker")
     project_dir: str | None = Field(None, description="uv: the project on every host (default: this checkout's path)")
-    sync: bool = Field(True, description="uv: run `uv sync --locked` on a host whose environment is not in sync")
+    sync: bool = Field(True, description="uv: run `uv sync --locked --inexact` on a host whose environment lacks "
+                       "packages of uv.lock (packages installed beside the lock stay)")
     uv: str = Field("uv", description="uv: the uv program on the hosts (a name on PATH or an absolute path)")
     image: str | None = Field(None, description="image: image id sha256:<64 hex> (default: the recipe's pin)")
 
@@ -136,6 +150,12 @@ class DeployConfig(Section):
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="slurm: the allocation")
     checklist_skip: list[str] = Field(default_factory=list, description="checklist steps not run on the hosts")
     connect_timeout_s: float = Field(10.0, gt=0, description="ssh: give up connecting to a host after this long")
+    known_hosts: str | None = Field(
+        None, description="ssh: a known_hosts file checked besides /etc/ssh/ssh_known_hosts and ~/.ssh/known_hosts; "
+        "new keys accepted with accept_new_host_keys are recorded there (default: in ~/.ssh/known_hosts)")
+    accept_new_host_keys: bool = Field(
+        False, description="ssh: accept the key of a host not in known_hosts (first contact), record it and log its "
+        "fingerprint; a key that differs from a known one is refused regardless (--accept-new-host-keys)")
     shutdown_grace_s: float = Field(20.0, gt=0, description="on stop, wait this long before killing a process")
 
     @field_validator("run_dir")
@@ -171,9 +191,15 @@ class DeployConfig(Section):
             if unknown:
                 known = ", ".join(self.hosts) or "none"
                 raise ValueError(f"roles name host(s) {unknown} that [deploy.hosts] lacks (hosts: {known})")
+            idle = [h for h in self.hosts if h not in named]
+            if idle:
+                raise ValueError(f"host(s) {idle} in [deploy.hosts] have no role: name them in [deploy.roles] "
+                                 "(inference, orchestrator, trainer) or remove them")
         login = self.slurm.login_host
         if self.target == "slurm" and login is not None and login not in self.hosts:
             raise ValueError(f"slurm.login_host '{login}' is not in [deploy.hosts]")
+        for host in self.hosts.values():
+            host._known_hosts, host._accept_new = self.known_hosts, self.accept_new_host_keys
         return self
 
     def used_hosts(self) -> list[str]:

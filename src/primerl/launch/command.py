@@ -1,6 +1,7 @@
 """`primerl launch <target> recipe.toml`: run a recipe beyond this machine. One module per target:
 
-    primerl launch ssh   recipe.toml [--deploy hosts.toml] [--run-dir DIR] [--dry-run] [--rl.max_steps=5]
+    primerl launch ssh   recipe.toml [--deploy hosts.toml] [--run-dir DIR] [--dry-run] [--accept-new-host-keys]
+                         [--rl.max_steps=5]
     primerl launch slurm recipe.toml [--deploy slurm.toml] [--run-dir DIR] [--dry-run] [--rl.max_steps=5]
 
 The deployment comes from the recipe's `[deploy]` table merged with each `--deploy` file's (`primerl.config.deploy`);
@@ -48,11 +49,16 @@ def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest 
                         help="a TOML file with a [deploy] table, merged over the recipe's (repeatable)")
     parser.add_argument("--run-dir", help="deploy.run_dir: an absolute path every host sees")
     parser.add_argument("--dry-run", action="store_true", help="print the plan (and script) and exit")
+    parser.add_argument("--accept-new-host-keys", action="store_true",
+                        help="deploy.accept_new_host_keys: accept the key of an SSH host seen for the first time, "
+                        "record it in deploy.known_hosts (default ~/.ssh/known_hosts) and log its fingerprint; without "
+                        "it an unknown host key is refused")
     args, rest = parser.parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe)
         overrides = stage_overrides(recipe, rest)
-        deploy = load_deploy(recipe, args.deploy, run_dir=args.run_dir, target=target)
+        deploy = load_deploy(recipe, args.deploy, run_dir=args.run_dir, target=target,
+                             accept_new_host_keys=args.accept_new_host_keys or None)
     except (RecipeError, ConfigError, PlanError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return USAGE_ERROR

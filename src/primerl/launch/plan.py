@@ -50,9 +50,10 @@ class _DeployFile(Section):
 
 
 def load_deploy(recipe: Recipe, deploy_files: Sequence[Path] = (), run_dir: str | None = None,
-                target: str | None = None) -> DeployConfig:
-    """The recipe's `[deploy]` table, deep-merged with each file's `[deploy]` table (left to right), then `run_dir`
-    and `target` from the command line; validated. PlanError names the bad key and the file it came from."""
+                target: str | None = None, accept_new_host_keys: bool | None = None) -> DeployConfig:
+    """The recipe's `[deploy]` table, deep-merged with each file's `[deploy]` table (left to right), then `run_dir`,
+    `target` and `accept_new_host_keys` from the command line; validated. PlanError names the bad key and the file it
+    came from."""
     layers = Layers()
     if recipe.deploy:
         layers.merge({"deploy": recipe.deploy}, str(recipe.path))
@@ -63,7 +64,8 @@ def load_deploy(recipe: Recipe, deploy_files: Sequence[Path] = (), run_dir: str 
             if unknown:
                 raise PlanError(f"{path}: unknown table(s) {unknown}: a deploy file holds one [deploy] table")
             layers.merge(data, str(path))
-        command_line = {k: v for k, v in (("run_dir", run_dir), ("target", target)) if v is not None}
+        command_line = {k: v for k, v in (("run_dir", run_dir), ("target", target),
+                                          ("accept_new_host_keys", accept_new_host_keys)) if v is not None}
         layers.merge({"deploy": command_line}, "the command line")
         if "deploy" not in layers.values or set(layers.values["deploy"]) <= set(command_line):
             raise PlanError(f"{recipe.path}: no [deploy] table: add one to the recipe or pass --deploy FILE")
@@ -162,9 +164,14 @@ class LaunchPlan:
             args += ["--token-file", self.path(ADMIN_TOKEN_FILE)]
         return [*args, "--", *process.args]
 
+    def checklist_log_dir(self, host: str) -> str:
+        return self.path(f"logs/checklist/{host}")
+
     def checklist_args(self, host: str) -> list[str]:
+        """`primerl check` on `host`: its report in `<run>/checklist/<host>.json`, its heavy steps' configs and logs in
+        `<run>/logs/checklist/<host>/` (hosts share the run directory; their checklists must not share files)."""
         args = ["-m", "primerl.cli", "check", self.recipe_on_hosts, "--run-dir", self.run_dir,
-                "--report", self.path(f"checklist/{host}.json")]
+                "--report", self.path(f"checklist/{host}.json"), "--log-dir", self.checklist_log_dir(host)]
         if self.deploy.checklist_skip:
             args += ["--skip", ",".join(self.deploy.checklist_skip)]
         return args

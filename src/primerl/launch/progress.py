@@ -9,6 +9,7 @@ child stalled and, now and then, what it is doing; what to do about a stall is t
 from __future__ import annotations
 
 import os
+import re
 import time
 
 from primerl.launch.processes import ManagedProcess
@@ -77,6 +78,37 @@ def last_line(text: str) -> str:
     """The last line of `text` that is not blank, or `(no output)`."""
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
+
+
+# A line that ends a Python traceback: `ValueError: ...`, `primerl.x.ConfigError: ...`, `KeyboardInterrupt`.
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Fault|Failure)(?::.*)?$")
+# A one-line error of a command: `rl: error: ...`, `primerl check: failed: ...`, `ERROR ...`.
+_ERROR = re.compile(r"(?:^|[\s:])(?:error|ERROR|failed|FAILED|Error)(?:[:\s]|$)")
+# A prefix some logs put before each line: `[trainer] `, `[inference.0@a] `, `trainer | `.
+_PREFIX = re.compile(r"^(?:\[[^\]\s]+\]\s|[\w.@-]+ \| )")
+
+
+def root_cause(text: str) -> str:
+    """The line of a failing command's output that says why it failed, rather than its last line (often something
+    a process printed on its way down). In order: the exception line that ends the last Python traceback (of the
+    same process, where lines carry a process prefix); else the last line that reads as an error (`error:`,
+    `failed`); else the last non-blank line; `(no output)` for none. A `[name] ` or `name | ` prefix on a line is
+    kept off the match, not off the result."""
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "(no output)"
+    prefixes = [m.group(0) if (m := _PREFIX.match(line)) else "" for line in lines]
+    bare = [line[len(prefix):] for line, prefix in zip(lines, prefixes)]
+    tracebacks = [i for i, line in enumerate(bare) if line.startswith("Traceback (most recent call last)")]
+    if tracebacks:  # its frames are indented; the first line of the same process that is not ends it
+        start = tracebacks[-1]
+        for i in range(start + 1, len(bare)):
+            if prefixes[i] == prefixes[start] and not bare[i].startswith((" ", "\t")):
+                return lines[i].strip()
+    for i in reversed(range(len(bare))):
+        if _EXCEPTION.match(bare[i]) or _ERROR.search(bare[i]):
+            return lines[i].strip()
+    return lines[-1].strip()
 
 
 def tree_cpu_seconds(pid: int) -> float | None:

@@ -1,10 +1,13 @@
 """`primerl launch ssh recipe.toml`: an RL recipe on SSH hosts, through fabric.
 
 1. Plan (`primerl.launch.plan`): the roles on the hosts, the configs; `--dry-run` prints it and stops.
-2. Preflight, every host in parallel: reachable and the key accepted; the run directory is the same directory on
-   every host (a file one host writes, the others read); free disk; the software at the pinned version (uv: the
-   project's uv.lock has the pinned sha256 and `.venv` is in sync with it, synced when not; image: the image id
-   present, loaded from this machine's Docker daemon when missing).
+2. Preflight, every host in parallel: reachable, its host key known (`primerl.launch.ssh_hosts`: known_hosts, or
+   recorded on first contact with --accept-new-host-keys) and our key accepted; the run directory is the same
+   directory on every host (a file one host writes, the others read); free disk; the software at the pinned version
+   (`primerl.launch.host_software`; uv: the project's uv.lock has the pinned sha256 and `.venv` has its packages,
+   synced when not with `uv sync --locked --inexact`, which keeps packages installed beside the lock (environments)
+   and is reported package by package; image: the image id present, loaded from this machine's Docker daemon when
+   missing).
 3. The validation checklist on every host in parallel (`deploy.checklist_skip` leaves steps out); one table of all
    hosts' results. Any failure in 2 or 3 names the host, starts nothing, and exits 1.
 4. The run directory gets the configs and the admin token (through the first host: the directory is shared), then the
@@ -21,7 +24,6 @@ import io
 import json
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,40 +34,21 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from primerl.config.deploy import DeployConfig, HostSection
+from primerl.config.deploy import DeployConfig
 from primerl.launch.command import USAGE_ERROR, LaunchRequest, parse_request
+from primerl.launch.host_software import load_image, sync_environment
 from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RoleProcess, build_plan
 from primerl.launch.processes import Terminated, raise_terminated
+from primerl.launch.progress import root_cause
 from primerl.launch.remote import STOP_LINE
+from primerl.launch.ssh_hosts import HostError, HostKeys, connect
+
+__all__ = ["HostError", "connect", "launch", "main"]  # connect and HostError: the Slurm target's login host too
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
 RUN_MARKERS = ("rollouts", "weights", "checkpoints", "metrics.jsonl")
-
-
-class HostError(Exception):
-    """A preflight check that failed on one host; the message says what, in one line."""
-
-
-def connect(host: HostSection, timeout_s: float):
-    """An open fabric Connection to `host`; HostError saying whether it is unreachable or refused the login."""
-    import fabric
-    import paramiko
-
-    kwargs: dict[str, Any] = {"banner_timeout": timeout_s, "auth_timeout": timeout_s}
-    if host.identity_file:
-        kwargs.update(key_filename=[host.identity_file], look_for_keys=False, allow_agent=False)
-    conn = fabric.Connection(host.address, user=host.user, port=host.port, connect_timeout=timeout_s,
-                             connect_kwargs=kwargs)
-    where = f"{conn.user}@{host.address}:{host.port}"
-    try:
-        conn.open()
-    except paramiko.AuthenticationException as e:
-        raise HostError(f"refused the login of {where} ({e})") from None
-    except (TimeoutError, OSError, paramiko.SSHException) as e:
-        raise HostError(f"unreachable at {where}: {e}") from None
-    return conn
 
 
 def run_checked(conn, command: str, what: str, timeout_s: float | None = None) -> str:
@@ -87,6 +70,7 @@ class HostReport:
 
     host: str
     steps: dict[str, tuple[str, str]] = field(default_factory=dict)  # step -> (status, detail)
+    notes: dict[str, str] = field(default_factory=dict)  # step -> what it changed on the host (shown under the table)
     conn: Any = None
 
     @property
@@ -138,8 +122,11 @@ class SshTarget:
         return not any(r.failed for r in self.reports.values())
 
     def _connect(self, report: HostReport) -> None:
+        host = self.deploy.hosts[report.host]
+        keys = HostKeys(self.deploy.known_hosts, self.deploy.accept_new_host_keys, self.say)
+
         def open_connection() -> str:
-            report.conn = connect(self.deploy.hosts[report.host], self.deploy.connect_timeout_s)
+            report.conn = connect(host, self.deploy.connect_timeout_s, name=report.host, keys=keys)
             return f"{report.conn.user}@{report.conn.host}:{report.conn.port}"
 
         report.record("connect", open_connection)
@@ -192,25 +179,23 @@ class SshTarget:
             return f"{free_gb:.1f} GiB free"
 
         if report.record("disk", disk):
-            report.record("software", lambda: self._software(conn))
+            report.record("software", lambda: self._software(conn, report))
 
-    def _software(self, conn) -> str:
+    def _software(self, conn, report: HostReport) -> str:
         """uv: the project's uv.lock is the pinned one and its .venv is in sync with it (synced here if not, when
         deploy.software.sync); image: the pinned image id is present (loaded from here if not)."""
         sw = self.plan.software
         if sw.kind == "image":
             return self._image(conn)
-        project, uv = shlex.quote(sw.project_dir), shlex.quote(self.deploy.software.uv)
-        found = run_checked(conn, f"sha256sum {project}/uv.lock", "uv.lock").split()[0]
+        found = run_checked(conn, f"sha256sum {shlex.quote(sw.project_dir)}/uv.lock", "uv.lock").split()[0]
         pinned = self.plan.recipe.pins.lock_sha256
         if found != pinned:
             raise HostError(f"{sw.project_dir}/uv.lock has sha256 {found[:12]}..., the recipe pins {pinned[:12]}...")
-        if conn.run(f"cd {project} && {uv} sync --locked --check", hide=True, warn=True).exited == 0:
-            return f"uv environment in sync with uv.lock {found[:12]}..."
-        if not self.deploy.software.sync:
-            raise HostError(f"{sw.project_dir}/.venv is not in sync with uv.lock (deploy.software.sync = false)")
-        run_checked(conn, f"cd {project} && {uv} sync --locked", "uv sync --locked")
-        return f"uv environment synced from uv.lock {found[:12]}..."
+        changed = sync_environment(conn, sw.project_dir, self.deploy.software.uv, self.deploy.software.sync)
+        if changed is None:
+            return f"uv environment has uv.lock {found[:12]}...'s packages"
+        report.notes["software"] = f"uv sync --locked --inexact in {sw.project_dir}: {changed}"
+        return f"uv environment synced from uv.lock {found[:12]}...: {changed}"
 
     def _image(self, conn) -> str:
         image = shlex.quote(str(self.plan.software.image))
@@ -232,8 +217,8 @@ class SshTarget:
             try:
                 steps = json.loads(shown.stdout)["steps"]
             except (ValueError, KeyError):
-                tail = (result.stdout + result.stderr).strip().splitlines()
-                report.steps["checklist"] = ("failed", f"exit {result.exited}: {tail[-1] if tail else 'no output'}")
+                why = root_cause(result.stdout + result.stderr)
+                report.steps["checklist"] = ("failed", f"exit {result.exited}: {why}")
                 return
             for step in steps:
                 report.steps[step["name"]] = (step["status"], step["detail"])
@@ -242,14 +227,14 @@ class SshTarget:
         return not any(r.failed for r in self.reports.values())
 
     def table(self) -> str:
-        """One row per host, one column per step; then the detail of every failure."""
+        """One row per host, one column per step, each column as wide as its widest cell; then what preflight
+        changed on a host, and the detail of every failure."""
         steps = list(dict.fromkeys(s for r in self.reports.values() for s in r.steps))
-        width = max(len(h) for h in self.reports)
-        cols = [max(len(s), 7) for s in steps]
-        rows = ["host".ljust(width) + "  " + "  ".join(s.ljust(c) for s, c in zip(steps, cols))]
+        grid = [["host", *steps]] + [[host, *(report.steps.get(s, ("-", ""))[0] for s in steps)]
+                                     for host, report in self.reports.items()]
+        rows = aligned(grid)
         for host, report in self.reports.items():
-            cells = [report.steps.get(s, ("-", ""))[0].ljust(c) for s, c in zip(steps, cols)]
-            rows.append(host.ljust(width) + "  " + "  ".join(cells))
+            rows += [f"{host}: {name}: {note}" for name, note in report.notes.items()]
         for host, report in self.reports.items():
             rows += [f"{host}: {name} failed: {report.steps[name][1]}" for name in report.failed]
         return "\n".join(rows)
@@ -286,21 +271,10 @@ class SshTarget:
                 report.conn.close()
 
 
-def load_image(conn, image: str) -> None:
-    """Stream `docker save <image>` of this machine into `docker load` on the host."""
-    save = subprocess.Popen(["docker", "save", image], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    channel = conn.create_session()
-    channel.set_combine_stderr(True)
-    channel.exec_command("docker load")
-    assert save.stdout is not None
-    while chunk := save.stdout.read(1 << 20):
-        channel.sendall(chunk)
-    channel.shutdown_write()
-    code = channel.recv_exit_status()
-    if save.wait() != 0:
-        raise HostError(f"image {image} is not on the host, and `docker save {image}` failed here")
-    if code != 0:
-        raise HostError(f"docker load of {image} failed (exit {code})")
+def aligned(grid: list[list[str]]) -> list[str]:
+    """The rows of `grid` as text, every column padded to its widest cell, two spaces between columns."""
+    widths = [max(len(row[i]) for row in grid) for i in range(len(grid[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in grid]
 
 
 class RemoteProcess:
@@ -374,7 +348,8 @@ def supervise(processes: list[RemoteProcess], plan: LaunchPlan, say: Callable[[s
             address = plan.deploy.hosts[p.process.host].address
             tail = "\n".join(p.tail)
             say(f"launch: FAILED: {p.process.role} on host {p.process.host} ({address}) exited with code {code} "
-                f"({p.label}); every process was stopped. Last lines of {plan.log_path(p.process)}:\n{tail}")
+                f"({p.label}): {root_cause(tail)}; every process was stopped. Last lines of "
+                f"{plan.log_path(p.process)}:\n{tail}")
             return EXIT_FAILED
         if all(p.poll() == 0 for p in finishers):
             stop_all([p for p in processes if not p.process.finishes], plan.deploy.shutdown_grace_s)
