@@ -163,8 +163,7 @@ def run_checks(plan: RunPlan, checked: Recipe, prog: str, steps=STEPS) -> dict[s
     try:
         report = run_checklist(checked, plan.run_dir, steps, log_dir=plan.run_dir / CHECKLIST_LOGS)
     except (KeyboardInterrupt, Terminated):
-        stop_quietly(prog)  # the checklist said so and stopped its steps; a further signal prints one line
-        print(f"{prog}: interrupted during the checklist; nothing was trained", file=sys.stderr, flush=True)
+        stop_quietly(prog)  # the checklist said so in one line and stopped its steps; a further signal: one line
         return INTERRUPTED_EXIT_CODE
     if in_main_thread:
         signal.signal(signal.SIGTERM, previous_term)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -324,6 +324,49 @@ def samples_from_episode(
                 )
             )
     return samples
+
+
+def rollout_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """One record per rollout (per trace; a rollout cut into several samples is counted once), in order: its reward,
+    model turns, the taskset's metrics, completion length (its longest sample's), whether it was truncated, what
+    stopped it and its error. What `eval` writes per rollout and what the orchestrator's step metrics average over."""
+    by_trace: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_trace.setdefault(sample.trace_id, []).append(sample)
+    records = []
+    for branches in by_trace.values():
+        first = branches[0]
+        records.append({
+            "reward": float(first.reward),
+            "turns": first.num_turns,
+            "metrics": dict(first.metrics),
+            "completion_len": max(s.completion_len for s in branches),
+            "truncated": any(s.is_truncated for s in branches),
+            "stop_condition": first.stop_condition,
+            "error": next((one_line(s.error) for s in branches if s.error is not None), None),
+        })
+    return records
+
+
+def rollout_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int | None]:
+    """Per-rollout figures of `rollout_records`: turns, completion length, truncation, and the mean of each of the
+    taskset's metrics as `metric/<name>` (over the rollouts that report it)."""
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    out: dict[str, float | int | None] = {
+        "rollouts": len(records),
+        "turns_mean": mean([r["turns"] for r in records]),
+        "turns_max": max((r["turns"] for r in records), default=None),
+        "completion_len_mean": mean([r["completion_len"] for r in records]),
+        "completion_len_max": max((r["completion_len"] for r in records), default=None),
+        "truncated_frac": mean([float(r["truncated"]) for r in records]),
+    }
+    names = sorted({name for r in records for name in r["metrics"]})
+    for name in names:
+        values = [float(v) for r in records if isinstance(v := r["metrics"].get(name), int | float)]
+        out[f"metric/{name}"] = mean(values)
+    return out
 
 
 def _version_runs(branch: Any, ledger: TokenVersionLedger, used: set | None) -> Runs | None:
