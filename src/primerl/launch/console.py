@@ -32,13 +32,17 @@ class Console:
         self.orchestrator: dict[int, dict] = {}
         self.first_record_at: float | None = None
         self.first_step = self.steps_done = first_step
+        self.started = self.last_wait_line = time.monotonic()
         self.bar = None
         if stream.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
+    WAIT_LINE_EVERY_S = 10.0
+
     def poll(self) -> None:
+        self._say_what_step_one_waits_for()
         for record in self._new_records():
             if self.first_record_at is None:
                 self.first_record_at = time.time()
@@ -46,6 +50,22 @@ class Console:
                 self.orchestrator[record["step"]] = record
             elif record.get("source") == "trainer":
                 self._trained(record)
+
+    def _say_what_step_one_waits_for(self) -> None:
+        """Until the first step is trained, a line every `WAIT_LINE_EVERY_S` seconds saying what it waits for."""
+        now = time.monotonic()
+        if self.steps_done > self.first_step or now - self.last_wait_line < self.WAIT_LINE_EVERY_S:
+            return
+        self.last_wait_line = now
+        doing = ("the trainer trains on the first batch" if self.orchestrator else
+                 "the server loads the model and the orchestrator samples the first batch")
+        self._print(f"rl: waiting for step {self.first_step + 1}: {doing} ({now - self.started:.0f} s)")
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def _new_records(self) -> list[dict]:
         if not self.path.exists():
