@@ -3,6 +3,8 @@ samples counts once; its turns, the taskset's metrics, its completion length and
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from primerl.orchestrator.rollouts import Sample, rollout_means, rollout_records
 
 
@@ -30,6 +32,15 @@ def test_a_rollout_cut_into_branches_counts_once():
     assert means["completion_len_mean"] == 18 and means["completion_len_max"] == 30
     assert means["turns_mean"] == 2 and means["turns_max"] == 3
     assert means["metric/num_guesses"] == 2.0 and means["metric/won"] == 1.0  # over the rollouts that report it
+
+
+def test_without_token_ids_the_completion_length_is_what_the_server_reported():
+    no_tokens = {"input_ids": [], "loss_mask": [], "inference_logprobs": [], "prompt_len": 0}
+    chat = replace(sample("c", 0, False), **no_tokens, generated_tokens=12)
+    unknown = replace(sample("d", 0, False), **no_tokens)
+    records = rollout_records([chat, unknown])
+    assert [r["completion_len"] for r in records] == [12, None]
+    assert rollout_means(records)["completion_len_mean"] == 12
 
 
 def test_no_rollouts_report_nothing():
