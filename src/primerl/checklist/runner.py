@@ -77,34 +77,42 @@ def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_
     with tempfile.TemporaryDirectory(prefix="primerl-checklist-") as work_dir:
         ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say,
                       stall_timeout_s=stall_timeout_s)
-        for group in _groups(steps, ctx):
-            first = len(results) + 1
-            if len(group) == 1:
-                print(f"[{first}/{len(steps)}] {group[0].name}: {group[0].summary} ...", file=out, flush=True)
-                result = _run_step(group[0], ctx)
-                print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
-                results.append(result)
-                continue
-            for i, step in enumerate(group, first):
-                print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ... (together with "
-                      f"{', '.join(other.name for other in group if other is not step)})", file=out, flush=True)
-            pool = ThreadPoolExecutor(len(group), thread_name_prefix="checklist")
-            try:
-                running = {pool.submit(_run_step, step, ctx): step for step in group}
-                done: dict[str, StepResult] = {}
-                for future in as_completed(running):
-                    result = future.result()
-                    print(f"        {result.name} {result.status}: {result.detail} ({result.seconds:.1f} s)",
-                          file=out, flush=True)
-                    done[result.name] = result
-            except BaseException:  # Ctrl-C, SIGTERM: the running steps stop their children, then the error goes on
-                _stopping(ctx)
-                pool.shutdown(wait=True, cancel_futures=True)
-                raise
-            pool.shutdown(wait=True)
-            results.extend(done[step.name] for step in group)
+        try:
+            _run_groups(steps, ctx, out, results)
+        except BaseException:  # Ctrl-C or SIGTERM between steps too: one line, then the error goes on
+            _stopping(ctx)
+            raise
     return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir),
                            round(time.monotonic() - started, 1))
+
+
+def _run_groups(steps: Sequence[Step], ctx: Context, out, results: list[StepResult]) -> None:
+    for group in _groups(steps, ctx):
+        first = len(results) + 1
+        if len(group) == 1:
+            print(f"[{first}/{len(steps)}] {group[0].name}: {group[0].summary} ...", file=out, flush=True)
+            result = _run_step(group[0], ctx)
+            print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
+            results.append(result)
+            continue
+        for i, step in enumerate(group, first):
+            print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ... (together with "
+                  f"{', '.join(other.name for other in group if other is not step)})", file=out, flush=True)
+        pool = ThreadPoolExecutor(len(group), thread_name_prefix="checklist")
+        try:
+            running = {pool.submit(_run_step, step, ctx): step for step in group}
+            done: dict[str, StepResult] = {}
+            for future in as_completed(running):
+                result = future.result()
+                print(f"        {result.name} {result.status}: {result.detail} ({result.seconds:.1f} s)",
+                      file=out, flush=True)
+                done[result.name] = result
+        except BaseException:  # Ctrl-C, SIGTERM: the running steps stop their children, then the error goes on
+            _stopping(ctx)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        results.extend(done[step.name] for step in group)
 
 
 def _groups(steps: Sequence[Step], ctx: Context) -> Iterator[list[Step]]:
@@ -140,13 +148,14 @@ def _run_step(step: Step, ctx: Context) -> StepResult:
 
     started = time.monotonic()
     worker = threading.Thread(target=work, name=f"check-{step.name}", daemon=True)
-    worker.start()
     try:
+        worker.start()
         worker.join(step.timeout_s)
     except BaseException:  # Ctrl-C, SIGTERM: the step stops its children (a little while at most), then it goes on
         if threading.current_thread() is threading.main_thread():
             _stopping(ctx)
-            worker.join(STOP_WAIT_S)
+            if worker.is_alive():
+                worker.join(STOP_WAIT_S)
         raise
     seconds = round(time.monotonic() - started, 1)
     if not outcome:
