@@ -117,3 +117,17 @@ def test_wandb_is_off_without_a_project(tmp_path):
     logger = MetricsLogger(tmp_path, "trainer", wandb=WandbConfig(mode="offline"))
     logger.log(1, {"loss": 1.0})
     assert logger._wandb is None and not (tmp_path / "wandb").exists()
+
+
+def test_the_throughput_plot_draws_per_step_values_and_every_axis_is_labelled(tmp_path):
+    from primerl.monitor import PLOTS, plot_data
+
+    orch, trainer = MetricsLogger(tmp_path, "orchestrator"), MetricsLogger(tmp_path, "trainer")
+    for step in range(1, 4):  # replies shrink: per step the orchestrator gets faster, its cumulative average lags
+        orch.log(step, {"reward_mean": 0.1, "tokens_per_s": 50.0 + step, "step_tokens_per_s": 100.0 * step})
+        trainer.log(step, {"loss": 1.0, "tokens_per_s": 200.0})
+    _, ylabel, lines = plot_data(read_metrics(tmp_path))["throughput.png"]
+    assert dict(lines) == {"trainer/tokens_per_s": [(1, 200.0), (2, 200.0), (3, 200.0)],
+                           "orchestrator/step_tokens_per_s": [(1, 100.0), (2, 200.0), (3, 300.0)]}
+    assert "per step" in ylabel
+    assert all(ylabel for _, _, ylabel, _ in PLOTS)

@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "orchestrator": ("primerl.orchestrator.loop", "the orchestrator process: environments, rollouts, batches"),
     "check": ("primerl.commands.check", "run the validation checklist"),
     "run": ("primerl.commands.run", "run a recipe: pins, checklist, then its stages"),
-    "recipe": ("primerl.commands.recipe", "recipe tools (lock)"),
+    "recipe": ("primerl.commands.recipe", "recipe tools: lock (write the pins), verify (pins vs this machine), diff (two runs' manifests)"),
     "image": ("primerl.launch.images", "container images: build, run, inspect"),
     "launch": ("primerl.launch.command", "run a recipe on SSH hosts or as a Slurm job"),
     "plot": ("primerl.monitor", "write PNG plots of a run directory's metrics"),

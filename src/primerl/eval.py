@@ -6,9 +6,13 @@ Without `--base_url` it starts `primerl inference` for the model (log in `<outpu
 at the end; with `--base_url` it evaluates any OpenAI-compatible server. Each task gets k rollouts through verifiers'
 own machinery (the same environments and harnesses as training). Results go to `<output_dir>/results.json`:
     {"env", "model", "k", "num_examples", "avg@k", "pass@k", "pass@1", "reward_std", "errors", "seconds",
-     "rollouts_per_s", "examples": [{"task_id", "rewards", "errors"}, ...]}
+     "rollouts_per_s", "turns_mean", "turns_max", "completion_len_mean", "completion_len_max", "truncated_frac",
+     "metric/<name>", ..., "examples": [{"task_id", "rewards", "errors", "rollouts": [{"reward", "turns", "metrics",
+     "completion_len", "truncated", "stop_condition", "error"}, ...]}, ...]}
 `task_id` is the task's stable id (its durable id, else its content key); `errors` holds each rollout's error in one
-line (null when it succeeded). When every rollout failed, results.json is still written and eval exits 1 with the
+line (null when it succeeded); `rollouts` each rollout's model turns, the taskset's own metrics, its completion length
+and whether it was truncated, and the top-level `turns_*`, `completion_len_*`, `truncated_frac` and `metric/<name>`
+average them over every rollout. When every rollout failed, results.json is still written and eval exits 1 with the
 first error on one line.
 avg@k is the mean reward over all rollouts; pass@k the fraction of tasks with at least one rollout whose reward reaches
 `pass_threshold`; pass@1 the mean per-rollout pass rate (the unbiased pass@1 estimate from k samples).
@@ -68,8 +72,15 @@ async def wait_until_serving(base_url: str, timeout_s: float) -> None:
         await poll_until_ok(http, "/v1/models", timeout_s, f"no server answered at {base_url}")
 
 
-async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:
-    """Run `cfg`'s rollouts of `env` (a loaded `vf.Env`) against the server at `base_url`."""
+# A rollout that produced no sample at all (none of its traces trainable): reward 0, as before.
+_EMPTY_ROLLOUT = {"reward": 0.0, "turns": 0, "metrics": {}, "completion_len": 0, "truncated": False,
+                  "stop_condition": None, "error": None}
+
+
+async def evaluate(cfg: EvalConfig, base_url: str, env: Any, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run `cfg`'s rollouts of `env` (a loaded `vf.Env`) against the server at `base_url`; `progress["total"]` and
+    `progress["done"]` count the rollouts once the server serves."""
+    progress = progress if progress is not None else {}
     import verifiers.v1 as vf
 
     from primerl.orchestrator import rollouts as bridge
@@ -87,10 +98,12 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:
     ctx = vf.ModelContext(model=cfg.served_model_name or cfg.model.name, client=client, sampling=sampling)
     await wait_until_serving(base_url, cfg.startup_timeout_s)
     slots = asyncio.Semaphore(cfg.max_concurrent)
+    progress.update(done=0, total=len(tasks) * cfg.rollouts_per_example)
 
     async def rollout(task: Any) -> list[Any]:
         async with slots:
             episode = await env.run_episode(task, ctx)
+        progress["done"] += 1
         return bridge.samples_from_episode(episode, (0, 0))
 
     started = time.monotonic()
@@ -101,9 +114,9 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:
     seconds = time.monotonic() - started
     examples = []
     for task, rollouts in zip(tasks, per_task):
-        rewards = [float(samples[0].reward) if samples else 0.0 for samples in rollouts]  # one reward per rollout
-        errors = [next((bridge.one_line(s.error) for s in samples if s.error is not None), None) for samples in rollouts]
-        examples.append({"task_id": bridge.task_id(task), "rewards": rewards, "errors": errors})
+        records = [(bridge.rollout_records(samples) or [_EMPTY_ROLLOUT])[0] for samples in rollouts]
+        examples.append({"task_id": bridge.task_id(task), "rewards": [r["reward"] for r in records],
+                         "errors": [r["error"] for r in records], "rollouts": records})
     k = cfg.rollouts_per_example
     return {
         "env": cfg.env.id,
@@ -115,6 +128,8 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any) -> dict[str, Any]:
         "errors": sum(error is not None for e in examples for error in e["errors"]),
         "seconds": round(seconds, 3),
         "rollouts_per_s": len(examples) * k / seconds if seconds > 0 else None,
+        **{key: value for key, value in bridge.rollout_means([r for e in examples for r in e["rollouts"]]).items()
+           if key != "rollouts"},  # turns, completion length, truncation, metric/<name>: per rollout
         "examples": examples,
     }
 
@@ -143,12 +158,16 @@ def run_eval(cfg: EvalConfig) -> int:
     from primerl.launch.processes import stop_all
     from primerl.orchestrator.rollouts import EnvConfigError, env_from_config
 
+    print(f"primerl eval: loading the environment {cfg.env.id}", file=sys.stderr, flush=True)
     try:
         env = env_from_config(cfg.env)  # before a server starts: a refused environment costs nothing
     except EnvConfigError as e:
         print(f"primerl eval: config error: {e}", file=sys.stderr)
         return 2
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.base_url:
+        print(f"primerl eval: starting an inference server for {cfg.model.name} (the first answer takes a while: the "
+              "model loads)", file=sys.stderr, flush=True)
     server, base_url = (None, cfg.base_url) if cfg.base_url else start_server(cfg)
     try:
         results = asyncio.run(_evaluate_watching(cfg, base_url, server, env))
@@ -182,11 +201,25 @@ def run_eval(cfg: EvalConfig) -> int:
     return 0
 
 
+PROGRESS_EVERY_S = 5.0
+
+
 async def _evaluate_watching(cfg: EvalConfig, base_url: str, server, env: Any) -> dict[str, Any]:
-    """`evaluate`, aborted early if the server eval started dies."""
-    work = asyncio.create_task(evaluate(cfg, base_url, env))
+    """`evaluate`, aborted early if the server eval started dies, with a line every `PROGRESS_EVERY_S` seconds saying
+    what it waits for (the server to serve, then the rollouts)."""
+    progress: dict[str, Any] = {"done": 0, "total": None}
+    work = asyncio.create_task(evaluate(cfg, base_url, env, progress))
+    started = last = time.monotonic()
     while not work.done():
         await asyncio.wait({work}, timeout=0.5)
+        if not work.done() and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            if progress["total"] is None:
+                where = f"; its log: {server.log_path}" if server is not None else ""
+                doing = f"waiting for the inference server at {base_url} to serve{where}"
+            else:
+                doing = f"{progress['done']}/{progress['total']} rollouts done"
+            print(f"primerl eval: {doing} ({last - started:.0f} s)", file=sys.stderr, flush=True)
         if server is not None and server.poll() is not None and not work.done():
             work.cancel()
             raise RuntimeError(f"the inference server exited with code {server.poll()}")

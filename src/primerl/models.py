@@ -241,16 +241,20 @@ def convert_gguf(model: EmbeddedModel, out: Path, progress: bool = True) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from primerl.launch.console import Waiting  # a line every few seconds through the silent parts
+
     with tempfile.TemporaryDirectory() as work:
         gguf = fetch_gguf(model, Path(work))
         started = time.monotonic()
         _say(f"converting the tokenizer of {model.gguf_file}")
         if progress:
             hf_logging.enable_progress_bar()
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with Waiting("converting the tokenizer"):
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _say(f"tokenizer converted in {time.monotonic() - started:.0f} s; dequantizing the weights to float32")
         started = time.monotonic()
-        lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with Waiting("dequantizing the weights to float32"):
+            lm = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are plain floats now: drop every trace of the quantizer so save/load treat it as a normal model.
     lm.hf_quantizer = None
     lm.is_quantized = False

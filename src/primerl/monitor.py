@@ -133,13 +133,31 @@ def _fmt(value: Any) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # Plots
 
-# (file name, title, [(source, metric key), ...]) — a plot is written when any of its series has data.
-PLOTS: list[tuple[str, str, list[tuple[str, str]]]] = [
-    ("reward.png", "mean reward", [("orchestrator", "reward_mean")]),
-    ("loss.png", "trainer loss", [("trainer", "loss"), ("sft", "loss")]),
-    ("throughput.png", "throughput (tokens/s)", [("trainer", "tokens_per_s"), ("sft", "tokens_per_s"),
-                                                  ("orchestrator", "tokens_per_s")]),
+# (file name, title, y-axis label, [(source, metric key), ...]) — a plot is written when any of its series has data.
+# Every series is a per-step value: the orchestrator's `tokens_per_s` (a cumulative average since generation
+# started) is not drawn beside the trainer's per-step figure; its `step_tokens_per_s` is.
+PLOTS: list[tuple[str, str, str, list[tuple[str, str]]]] = [
+    ("reward.png", "mean reward", "reward (mean over the step's rollouts)", [("orchestrator", "reward_mean")]),
+    ("loss.png", "trainer loss", "loss", [("trainer", "loss"), ("sft", "loss")]),
+    ("throughput.png", "throughput per step", "tokens/s (per step)",
+     [("trainer", "tokens_per_s"), ("sft", "tokens_per_s"), ("orchestrator", "step_tokens_per_s")]),
 ]
+
+
+def plot_data(records: list[dict[str, Any]]) -> dict[str, tuple[str, str, list[tuple[str, list[tuple[int, float]]]]]]:
+    """What each plot draws: file name -> (title, y-axis label, [(series label, [(step, value), ...]), ...]), for the
+    plots that have data."""
+    out = {}
+    for filename, title, ylabel, series in PLOTS:
+        lines = []
+        for source, key in series:
+            points = sorted((r["step"], r[key]) for r in records if r.get("source") == source and
+                            isinstance(r.get(key), int | float))
+            if points:
+                lines.append((f"{source}/{key}", points))
+        if lines:
+            out[filename] = (title, ylabel, lines)
+    return out
 
 
 def plot_run(run_dir: str | os.PathLike) -> list[Path]:
@@ -148,24 +166,16 @@ def plot_run(run_dir: str | os.PathLike) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = read_metrics(run_dir)
     out_dir = Path(run_dir) / "plots"
     written = []
-    for filename, title, series in PLOTS:
-        lines = []
-        for source, key in series:
-            points = sorted((r["step"], r[key]) for r in records if r.get("source") == source and
-                            isinstance(r.get(key), int | float))
-            if points:
-                lines.append((f"{source}/{key}", points))
-        if not lines:
-            continue
+    for filename, (title, ylabel, lines) in plot_data(read_metrics(run_dir)).items():
         out_dir.mkdir(parents=True, exist_ok=True)
         fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
         for label, points in lines:
             xs, ys = zip(*points)
             ax.plot(xs, ys, marker="o", markersize=3, label=label)
         ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
         ax.set_title(f"{title} — {Path(run_dir).name}")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -168,3 +168,17 @@ def test_help_lists_each_type_with_its_options():
     assert lines[gspo + 1].startswith("  --loss.normalize ")
     assert any(line.startswith("  --loss.clip_low  float  (default 0.0003)") for line in lines[gspo:gspo + 6])
     assert not any(line.startswith("  --loss.type ") for line in lines)
+
+
+def test_base_values_keep_the_sources_they_name():
+    from primerl.config.loader import Layers
+
+    base = Layers()
+    base.merge({"seed": 1, "optim": {"lr": 1e-4}}, "recipe.toml [rl]")
+    base.merge({"optim": {"lr": "fast"}}, "--rl.optim.lr on the command line")
+    with pytest.raises(ConfigError) as info:
+        load(Demo, [], base=base)
+    assert "'optim.lr'" in str(info.value) and "(from --rl.optim.lr on the command line)" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        load(Demo, ["--optim.lr=1e-3"], base={"seed": "x"})
+    assert "'seed'" in str(info.value) and "defaults" not in str(info.value)

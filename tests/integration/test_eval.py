@@ -28,5 +28,12 @@ def test_eval_reports_avg_and_pass_at_k(tmp_path):
     assert results["avg@2"] == pytest.approx(sum(rewards) / 6)
     passed = [any(r >= 0.1 for r in e["rewards"]) for e in results["examples"]]
     assert results["pass@2"] == pytest.approx(sum(passed) / 3)
+    rollouts = [r for example in results["examples"] for r in example["rollouts"]]  # each rollout, as it went
+    assert [r["reward"] for r in rollouts] == rewards
+    # the chat client has no token ids: the completion length is the server's count of generated tokens
+    assert all(r["turns"] == 1 and 0 < r["completion_len"] <= 8 and r["metrics"] == {} for r in rollouts), rollouts
+    assert results["turns_mean"] == 1 and results["truncated_frac"] == pytest.approx(
+        sum(r["truncated"] for r in rollouts) / 6)
+    assert results["completion_len_max"] == max(r["completion_len"] for r in rollouts)
     assert "avg@2" in result.stdout
     assert "engine stopped" in (out / "logs" / "inference.log").read_text()  # the server it started was stopped

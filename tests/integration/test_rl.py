@@ -42,6 +42,9 @@ def test_rl_runs_three_steps_one_step_off_policy(tmp_path):
     assert max(hi for _, _, hi in seen) >= 1
     reward = records(run, "orchestrator")[0]["reward_mean"]
     assert 0.0 <= reward <= 1.0
+    first = records(run, "orchestrator")[0]  # per rollout: single-turn reverse-text, one sample per rollout
+    assert first["turns_mean"] == 1 and first["rollouts"] >= first["samples"] and first["step_tokens_per_s"] > 0
+    assert 0.0 <= first["truncated_frac"] <= 1.0 and first["completion_len_max"] >= first["completion_len_mean"]
     assert not processes_of_run(run)
 
 

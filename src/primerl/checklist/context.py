@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,7 @@ class Context:
     work_dir: Path
     say: Callable[[str], None]
     stall_timeout_s: float = STALL_TIMEOUT_S
+    stopping: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C: the steps stop their children
     _torch: dict[str, Any] | None = field(default=None, repr=False)
 
     def torch_facts(self) -> dict[str, Any]:

@@ -159,6 +159,8 @@ def _run_command(ctx: Context, name: str, args: Sequence[str]) -> None:
 
 def _follow(ctx: Context, watch: ProgressWatch, doing: str) -> None:
     """One look at a running child: a progress line every `ProgressWatch.HEARTBEAT_EVERY_S`, Fail when it stalled."""
+    if ctx.stopping.is_set():
+        raise Fail(f"stopped while {doing}")
     watch.sample()
     if watch.stalled():
         raise Fail(f"no progress for {watch.stall_timeout_s:.0f} s while {doing}: no new output and no CPU time "

@@ -21,9 +21,20 @@ from pathlib import Path
 
 from primerl.checklist.context import STALL_TIMEOUT_S, Context, Fail, Skip, Status, Step
 from primerl.checklist.report import ChecklistReport, StepResult
+from primerl.launch.console import stop_quietly
 from primerl.recipes.schema import Recipe
 
 CHECKLIST_LOGS = Path("logs") / "checklist"  # the heavy steps' logs, inside the run directory
+STOP_WAIT_S = 30.0  # after Ctrl-C, how long a running step may take to stop its children
+
+
+def _stopping(ctx: Context) -> None:
+    """The first Ctrl-C or SIGTERM during the checklist: one line; the steps stop their children; a further signal
+    prints one line and is otherwise ignored."""
+    if not ctx.stopping.is_set():
+        ctx.stopping.set()
+        ctx.say("checklist: interrupted; stopping its steps (nothing was trained)")
+        stop_quietly("checklist")
 
 
 def run_checklist(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_dir: Path | None = None,
@@ -66,28 +77,42 @@ def _run_steps(recipe: Recipe | None, run_dir: Path, steps: Sequence[Step], log_
     with tempfile.TemporaryDirectory(prefix="primerl-checklist-") as work_dir:
         ctx = Context(recipe=recipe, run_dir=run_dir, log_dir=log_dir, work_dir=Path(work_dir), say=say,
                       stall_timeout_s=stall_timeout_s)
-        for group in _groups(steps, ctx):
-            first = len(results) + 1
-            if len(group) == 1:
-                print(f"[{first}/{len(steps)}] {group[0].name}: {group[0].summary} ...", file=out, flush=True)
-                result = _run_step(group[0], ctx)
-                print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
-                results.append(result)
-                continue
-            for i, step in enumerate(group, first):
-                print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ... (together with "
-                      f"{', '.join(other.name for other in group if other is not step)})", file=out, flush=True)
-            with ThreadPoolExecutor(len(group), thread_name_prefix="checklist") as pool:
-                running = {pool.submit(_run_step, step, ctx): step for step in group}
-                done: dict[str, StepResult] = {}
-                for future in as_completed(running):
-                    result = future.result()
-                    print(f"        {result.name} {result.status}: {result.detail} ({result.seconds:.1f} s)",
-                          file=out, flush=True)
-                    done[result.name] = result
-            results.extend(done[step.name] for step in group)
+        try:
+            _run_groups(steps, ctx, out, results)
+        except BaseException:  # Ctrl-C or SIGTERM between steps too: one line, then the error goes on
+            _stopping(ctx)
+            raise
     return ChecklistReport(str(recipe.path) if recipe else None, str(run_dir), results, str(log_dir),
                            round(time.monotonic() - started, 1))
+
+
+def _run_groups(steps: Sequence[Step], ctx: Context, out, results: list[StepResult]) -> None:
+    for group in _groups(steps, ctx):
+        first = len(results) + 1
+        if len(group) == 1:
+            print(f"[{first}/{len(steps)}] {group[0].name}: {group[0].summary} ...", file=out, flush=True)
+            result = _run_step(group[0], ctx)
+            print(f"        {result.status}: {result.detail} ({result.seconds:.1f} s)", file=out, flush=True)
+            results.append(result)
+            continue
+        for i, step in enumerate(group, first):
+            print(f"[{i}/{len(steps)}] {step.name}: {step.summary} ... (together with "
+                  f"{', '.join(other.name for other in group if other is not step)})", file=out, flush=True)
+        pool = ThreadPoolExecutor(len(group), thread_name_prefix="checklist")
+        try:
+            running = {pool.submit(_run_step, step, ctx): step for step in group}
+            done: dict[str, StepResult] = {}
+            for future in as_completed(running):
+                result = future.result()
+                print(f"        {result.name} {result.status}: {result.detail} ({result.seconds:.1f} s)",
+                      file=out, flush=True)
+                done[result.name] = result
+        except BaseException:  # Ctrl-C, SIGTERM: the running steps stop their children, then the error goes on
+            _stopping(ctx)
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
+        pool.shutdown(wait=True)
+        results.extend(done[step.name] for step in group)
 
 
 def _groups(steps: Sequence[Step], ctx: Context) -> Iterator[list[Step]]:
@@ -123,8 +148,15 @@ def _run_step(step: Step, ctx: Context) -> StepResult:
 
     started = time.monotonic()
     worker = threading.Thread(target=work, name=f"check-{step.name}", daemon=True)
-    worker.start()
-    worker.join(step.timeout_s)
+    try:
+        worker.start()
+        worker.join(step.timeout_s)
+    except BaseException:  # Ctrl-C, SIGTERM: the step stops its children (a little while at most), then it goes on
+        if threading.current_thread() is threading.main_thread():
+            _stopping(ctx)
+            if worker.is_alive():
+                worker.join(STOP_WAIT_S)
+        raise
     seconds = round(time.monotonic() - started, 1)
     if not outcome:
         return StepResult(step.name, "failed", f"timed out after {step.timeout_s:.0f} s", seconds)

@@ -63,8 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.stall_timeout <= 0:
         print("primerl check: error: --stall-timeout must be positive", file=sys.stderr)
         return 2
-    report = run_checklist(recipe, run_dir, steps, log_dir=args.log_dir or run_dir / CHECKLIST_LOGS,
-                           stall_timeout_s=args.stall_timeout)
+    try:
+        report = run_checklist(recipe, run_dir, steps, log_dir=args.log_dir or run_dir / CHECKLIST_LOGS,
+                               stall_timeout_s=args.stall_timeout)
+    except KeyboardInterrupt:  # the checklist said so in one line and stopped the step that ran
+        return 130
     print("\n" + report.table())
     report_path = args.report or run_dir / "checklist.json"
     try:

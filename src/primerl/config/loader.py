@@ -239,11 +239,12 @@ def build_layers(
     files: Sequence[str] = (),
     overrides: Sequence[tuple[str, Any]] = (),
     environ: Mapping[str, str] | None = None,
-    base: Mapping[str, Any] | None = None,
+    base: Mapping[str, Any] | Layers | None = None,
 ) -> Layers:
+    """The layers of a config with each dotted key's source: `base` (a `Layers` keeps the sources it names; plain
+    values are named as the caller's base values), the files, `PRIMERL_*` variables, then the command line."""
     layers = Layers()
-    if base:
-        layers.merge(base, "defaults")
+    _merge_base(layers, base)
     for f in files:
         layers.merge(read_toml(f), str(f))
     top = known_top_level(model)
@@ -254,6 +255,14 @@ def build_layers(
     for dotted, value in overrides:
         layers.merge(_nest(dotted, value), f"--{dotted}")
     return layers
+
+
+def _merge_base(layers: Layers, base: Mapping[str, Any] | Layers | None) -> None:
+    if isinstance(base, Layers):
+        layers.merge(base.values, "base values")
+        layers.origin.update(base.origin)
+    elif base:
+        layers.merge(base, "base values")
 
 
 def table_types(annotation: Any) -> list[type[pydantic.BaseModel]]:
@@ -378,7 +387,8 @@ def _source_for(key: str, origin: Mapping[str, str]) -> str | None:
     return None
 
 
-def load(model: type[M], argv: Sequence[str] = (), base: Mapping[str, Any] | None = None) -> tuple[M, ParsedArgs]:
+def load(model: type[M], argv: Sequence[str] = (), base: Mapping[str, Any] | Layers | None = None,
+         ) -> tuple[M, ParsedArgs]:
     """Parse argv, merge all layers and validate into `model`. Raises ConfigError with a one-line message.
 
     For pydantic-settings models the layering is done by pydantic-settings itself: command-line values are the init
@@ -392,8 +402,7 @@ def load(model: type[M], argv: Sequence[str] = (), base: Mapping[str, Any] | Non
     if not issubclass(model, BaseSettings):
         return validate(model, layers), parsed
     files = Layers()
-    if base:
-        files.merge(base, "defaults")
+    _merge_base(files, base)
     for f in parsed.files:
         files.merge(read_toml(f), str(f))
     cli = Layers()

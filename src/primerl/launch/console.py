@@ -1,13 +1,18 @@
-"""`rl`'s console: follows `<run>/metrics.jsonl` and prints one line per trained step, the orchestrator's record of the
-batch next to the trainer's record of training on it, under a progress bar on a terminal.
+"""What the commands print while they run: `rl`'s console (`Console`: follows `<run>/metrics.jsonl` and prints one line
+per trained step, the orchestrator's record of the batch next to the trainer's record of training on it, under a
+progress bar on a terminal), a line every few seconds through a long wait (`Waiting`), and one line, never a
+traceback, for a Ctrl-C or SIGTERM while a command is already stopping (`stop_quietly`).
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Self
 
 from primerl.monitor import METRICS_FILE, format_line
 
@@ -27,13 +32,17 @@ class Console:
         self.orchestrator: dict[int, dict] = {}
         self.first_record_at: float | None = None
         self.first_step = self.steps_done = first_step
+        self.started = self.last_wait_line = time.monotonic()
         self.bar = None
         if stream.isatty():
             from tqdm import tqdm
 
             self.bar = tqdm(total=max_steps, initial=first_step, unit="step", dynamic_ncols=True, file=sys.stderr)
 
+    WAIT_LINE_EVERY_S = 10.0
+
     def poll(self) -> None:
+        self._say_what_step_one_waits_for()
         for record in self._new_records():
             if self.first_record_at is None:
                 self.first_record_at = time.time()
@@ -41,6 +50,22 @@ class Console:
                 self.orchestrator[record["step"]] = record
             elif record.get("source") == "trainer":
                 self._trained(record)
+
+    def _say_what_step_one_waits_for(self) -> None:
+        """Until the first step is trained, a line every `WAIT_LINE_EVERY_S` seconds saying what it waits for."""
+        now = time.monotonic()
+        if self.steps_done > self.first_step or now - self.last_wait_line < self.WAIT_LINE_EVERY_S:
+            return
+        self.last_wait_line = now
+        doing = ("the trainer trains on the first batch" if self.orchestrator else
+                 "the server loads the model and the orchestrator samples the first batch")
+        self._print(f"rl: waiting for step {self.first_step + 1}: {doing} ({now - self.started:.0f} s)")
+
+    def _print(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def _new_records(self) -> list[dict]:
         if not self.path.exists():
@@ -74,3 +99,54 @@ class Console:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def count(n: int, noun: str) -> str:
+    """`count(1, "step")` -> "1 step", `count(40, "step")` -> "40 steps"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Signals and waits: what every command prints while it stops or waits
+
+
+def stop_quietly(prog: str) -> None:
+    """Once a command is stopping (after Ctrl-C or SIGTERM), a further Ctrl-C or SIGTERM prints one line and is
+    otherwise ignored, so it neither cuts the stop short nor prints a traceback (SIGKILL ends it at once; the children
+    die with their parent). Only in the main thread, where signal handlers live."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def already_stopping(signum, frame) -> None:
+        print(f"{prog}: stopping already; SIGKILL ends it at once", file=sys.stderr, flush=True)
+
+    signal.signal(signal.SIGINT, already_stopping)
+    signal.signal(signal.SIGTERM, already_stopping)
+
+
+class Waiting:
+    """`with Waiting("loading the model"):` prints "<prog>: still loading the model (12 s)" every `every_s` seconds
+    until the block ends, so a long silence says what it waits for. Nothing is printed when the block ends sooner."""
+
+    def __init__(self, what: str, prog: str = "primerl", every_s: float = 5.0, stream=None):
+        self.what, self.prog, self.every_s = what, prog, every_s
+        self.stream = stream if stream is not None else sys.stderr
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Self:
+        started = time.monotonic()
+
+        def beat() -> None:
+            while not self._done.wait(self.every_s):
+                print(f"{self.prog}: still {self.what} ({time.monotonic() - started:.0f} s)", file=self.stream,
+                      flush=True)
+
+        self._thread = threading.Thread(target=beat, name="waiting", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join()

@@ -27,7 +27,7 @@ import pydantic
 import tomli_w
 
 from primerl.config.rl import DeviceAssignment, RLConfig
-from primerl.launch.console import Console
+from primerl.launch.console import Console, count, stop_quietly
 from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import (
     ManagedProcess,
@@ -256,7 +256,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     if cfg.resume:
         _forget_what_is_redone(run_dir, stream)
 
-    print(f"rl: run {run_dir} | model {cfg.model.name} | {cfg.max_steps} steps | max_async_steps "
+    print(f"rl: run {run_dir} | model {cfg.model.name} | {count(cfg.max_steps, 'step')} | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
     print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
     if warning := cfg.orchestrator.sampling.biased_ratio_warning():
@@ -269,6 +269,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         start_processes(processes, stream)
         return _supervise(processes, console, cfg, stream, started)
     except (KeyboardInterrupt, Terminated):
+        stop_quietly("rl")  # a second Ctrl-C or SIGTERM while stopping: one line, no traceback
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
         stop_all(processes, cfg.shutdown_grace_s)
         return EXIT_INTERRUPTED

@@ -32,6 +32,7 @@ import pydantic
 from primerl.config.base import Section
 from primerl.config.deploy import DeployConfig
 from primerl.config.loader import ConfigError, Layers, read_toml, validate
+from primerl.launch.console import count
 from primerl.launch.images import PROJECT_ROOT
 from primerl.multicast import multicast_off
 from primerl.recipes.schema import Recipe, RecipeError, validate_stage
@@ -193,7 +194,7 @@ class LaunchPlan:
         """The plan as text (`--dry-run`): software, files, then each process with its host and command."""
         sw = self.software
         where = f"uv environment {sw.python}" if sw.kind == "uv" else f"image {sw.image}"
-        lines = [(f"plan: recipe {self.recipe.name} ({self.recipe_on_hosts}) | {self.max_steps} steps | run dir "
+        lines = [(f"plan: recipe {self.recipe.name} ({self.recipe_on_hosts}) | {count(self.max_steps, 'step')} | run dir "
                   f"{self.run_dir} | {where}"),
                  f"checklist on every host: {' '.join(self.checklist_args('<host>')[2:])}",
                  "files: " + ", ".join(sorted(self.files)) + f", {ADMIN_TOKEN_FILE} (0600)"]

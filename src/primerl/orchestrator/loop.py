@@ -483,10 +483,11 @@ class Orchestrator:
         step_s = time.monotonic() - stats.started
         seen = groups + stats.unused_groups
         rewards = [r for g in seen for r in g.rewards]
-        rollouts = [s for g in seen for s in g.samples]
-        completion_lens = [s.completion_len for s in rollouts]
+        rollouts = [s for g in seen for s in g.samples]  # every sample: a rollout cut in several has several
+        per_rollout = bridge.rollout_means([r for g in seen for r in bridge.rollout_records(g.samples)])
         lags = [step - s.policy_versions[0] for s in samples]
-        self.sampled_tokens_this_run += sum(sum(s.loss_mask) for s in samples)
+        step_tokens = sum(sum(s.loss_mask) for s in samples)
+        self.sampled_tokens_this_run += step_tokens
         elapsed = time.monotonic() - self.generation_started
         return {
             "reward_mean": _mean(rewards),
@@ -495,10 +496,8 @@ class Orchestrator:
             "reward_max": max(rewards, default=None),
             "batch_reward_mean": _mean([r for g in groups for r in g.rewards]),
             "samples": len(samples),
-            "completion_len_mean": _mean(completion_lens),
-            "completion_len_max": max(completion_lens, default=None),
+            **per_rollout,  # rollouts, turns, completion_len, truncated_frac, metric/<name>: per rollout
             "seq_len_mean": _mean([len(s.input_ids) for s in samples]),
-            "truncated_frac": _mean([float(s.is_truncated) for s in rollouts]),
             "samples_too_long": stats.samples_too_long,
             "errors": sum(s.error is not None for s in rollouts),
             **{f"groups_dropped_{name}": stats.groups_dropped.get(name, 0) for name in self.algorithm.filters.names},
@@ -516,6 +515,7 @@ class Orchestrator:
             "weight_update_s": self.policy.last_update_s,
             "rollouts_per_s": self.rollouts_this_run / elapsed if elapsed > 0 else None,
             "tokens_per_s": self.sampled_tokens_this_run / elapsed if elapsed > 0 else None,
+            "step_tokens_per_s": step_tokens / step_s if step_s > 0 else None,  # this step's alone
             "rows": meta["rows_per_rank"] * meta["num_ranks"],
             "loss_tokens": meta["num_loss_tokens"],
             "rollouts_total": self.progress.rollouts,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,6 +80,8 @@ class Sample:
     """The task's and harness's metrics."""
     version_segments: tuple[tuple[int, int], ...] = ()
     """(policy version, number of tokens) runs over the sampled tokens in order; empty when not known."""
+    generated_tokens: int | None = None
+    """Tokens the model generated in the rollout, as the server reported them (its usage); None when not reported."""
 
     @property
     def completion_len(self) -> int:
@@ -303,6 +305,7 @@ def samples_from_episode(
             "is_truncated": trace.is_truncated,
             "stop_condition": trace.stop_condition,
             "error": f"{trace.last_error.type}: {trace.last_error.message}" if trace.last_error else None,
+            "generated_tokens": usage.completion_tokens if (usage := trace.usage) is not None else None,
         }
         branches = [branch for branch in trace.branches if branch.trainable]
         if not branches:
@@ -324,6 +327,52 @@ def samples_from_episode(
                 )
             )
     return samples
+
+
+def rollout_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+    """One record per rollout (per trace; a rollout cut into several samples is counted once), in order: its reward,
+    model turns, the taskset's metrics, completion length (its longest sample's), whether it was truncated, what
+    stopped it and its error. What `eval` writes per rollout and what the orchestrator's step metrics average over.
+    Without token ids (the chat client) the completion length is the tokens the server says it generated (None when
+    it says nothing)."""
+    by_trace: dict[str, list[Sample]] = {}
+    for sample in samples:
+        by_trace.setdefault(sample.trace_id, []).append(sample)
+    records = []
+    for branches in by_trace.values():
+        first = branches[0]
+        records.append({
+            "reward": float(first.reward),
+            "turns": first.num_turns,
+            "metrics": dict(first.metrics),
+            "completion_len": (max(s.completion_len for s in branches) if any(s.input_ids for s in branches)
+                               else first.generated_tokens),
+            "truncated": any(s.is_truncated for s in branches),
+            "stop_condition": first.stop_condition,
+            "error": next((one_line(s.error) for s in branches if s.error is not None), None),
+        })
+    return records
+
+
+def rollout_means(records: Sequence[Mapping[str, Any]]) -> dict[str, float | int | None]:
+    """Per-rollout figures of `rollout_records`: turns, completion length, truncation, and the mean of each of the
+    taskset's metrics as `metric/<name>` (over the rollouts that report it)."""
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
+
+    out: dict[str, float | int | None] = {
+        "rollouts": len(records),
+        "turns_mean": mean([r["turns"] for r in records]),
+        "turns_max": max((r["turns"] for r in records), default=None),
+        "completion_len_mean": mean(lens := [r["completion_len"] for r in records if r["completion_len"] is not None]),
+        "completion_len_max": max(lens, default=None),
+        "truncated_frac": mean([float(r["truncated"]) for r in records]),
+    }
+    names = sorted({name for r in records for name in r["metrics"]})
+    for name in names:
+        values = [float(v) for r in records if isinstance(v := r["metrics"].get(name), int | float)]
+        out[f"metric/{name}"] = mean(values)
+    return out
 
 
 def _version_runs(branch: Any, ledger: TokenVersionLedger, used: set | None) -> Runs | None:

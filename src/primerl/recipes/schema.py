@@ -22,6 +22,8 @@ with one line per problem. Nothing here imports torch.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import re
 import tomllib
 from collections.abc import Mapping
@@ -236,7 +238,9 @@ class RecipeFile(Section):
 
 @dataclass(frozen=True)
 class Recipe:
-    """A loaded, validated recipe. `stages[name]` is the stage's raw config (includes merged, no run dir set)."""
+    """A loaded, validated recipe. `stages[name]` is the stage's raw config (includes merged, no run dir set);
+    `overrides[name]` the command line's `--<stage>.<key>` values laid over it (`with_overrides`), below the smoke
+    variant; `origins[name]` says which file gave each dotted key of `stages[name]`."""
 
     path: Path
     info: RecipeInfo
@@ -244,10 +248,31 @@ class Recipe:
     stages: dict[str, dict[str, Any]]
     smoke: dict[str, dict[str, Any]]
     deploy: dict[str, Any] | None = None  # validated by the launchers, merged with deploy files first
+    overrides: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    origins: dict[str, dict[str, str]] = dataclasses.field(default_factory=dict)
 
     @property
     def name(self) -> str:
         return self.info.name
+
+    def with_overrides(self, overrides: Mapping[str, Mapping[str, Any]]) -> Recipe:
+        """This recipe as a run with these command-line overrides sees it (`{"rl": {"max_steps": "5"}}`): every stage
+        config, its smoke variant included, is resolved with them; the checklist is given this. Raises `RecipeError`
+        when a stage's config is no longer valid."""
+        unknown = [stage for stage in overrides if stage not in self.stages]
+        if unknown:
+            raise RecipeError(f"overrides name stages the recipe does not have: {', '.join(unknown)}")
+        merged = {stage: copy.deepcopy(self.overrides.get(stage, {})) for stage in self.stages}
+        for stage, table in overrides.items():
+            layers = Layers(merged[stage])
+            layers.merge(table, "overrides")
+            merged[stage] = layers.values
+        recipe = dataclasses.replace(self, overrides={k: v for k, v in merged.items() if v})
+        for stage in recipe.stages:
+            validate_stage(recipe, stage, smoke=False)
+            if stage in recipe.smoke:
+                validate_stage(recipe, stage, smoke=True)
+        return recipe
 
     def require_supported(self) -> None:
         """Raise `UnsupportedCapabilityError` naming every capability the recipe needs and this build lacks."""
@@ -299,11 +324,13 @@ def load_recipe(path: str | Path) -> Recipe:
     except pydantic.ValidationError as e:
         raise RecipeError(f"{path}: {_describe(e)}") from None
     stages: dict[str, dict[str, Any]] = {}
+    origins: dict[str, dict[str, str]] = {}
     for name in parsed.recipe.stages:
         table = getattr(parsed, name)
         if table is None:
             raise RecipeError(f"{path}: stage '{name}' is listed in recipe.stages but has no [{name}] table")
-        stages[name] = _with_includes(table, path, name)
+        layers = _with_includes(table, path, name)
+        stages[name], origins[name] = layers.values, layers.origin
     for name in ("sft", "rl"):
         if getattr(parsed, name) is not None and name not in stages:
             raise RecipeError(f"{path}: [{name}] is given but '{name}' is not in recipe.stages")
@@ -311,7 +338,7 @@ def load_recipe(path: str | Path) -> Recipe:
         if name not in stages:
             raise RecipeError(f"{path}: [smoke.{name}] names a stage the recipe does not have")
     recipe = Recipe(path=path.resolve(), info=parsed.recipe, pins=parsed.pins, stages=stages, smoke=parsed.smoke,
-                    deploy=parsed.deploy)
+                    deploy=parsed.deploy, origins=origins)
     for name in stages:
         validate_stage(recipe, name, smoke=False)
         if name in recipe.smoke:
@@ -319,7 +346,7 @@ def load_recipe(path: str | Path) -> Recipe:
     return recipe
 
 
-def _with_includes(table: dict[str, Any], recipe_path: Path, stage: str) -> dict[str, Any]:
+def _with_includes(table: dict[str, Any], recipe_path: Path, stage: str) -> Layers:
     table = dict(table)
     includes = table.pop("include", [])
     if isinstance(includes, str):
@@ -329,31 +356,57 @@ def _with_includes(table: dict[str, Any], recipe_path: Path, stage: str) -> dict
     layers = Layers()
     try:
         for inc in includes:
-            layers.merge(read_toml(recipe_path.parent / inc), inc)
+            layers.merge(read_toml(recipe_path.parent / inc), f"{inc} (included by [{stage}])")
     except ConfigError as e:
         raise RecipeError(f"{recipe_path}: [{stage}] {e}") from None
-    layers.merge(table, str(recipe_path))
-    return layers.values
+    layers.merge(table, f"{recipe_path.name} [{stage}]")
+    return layers
 
 
-def stage_values(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
-                 overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The raw config of one stage: its table, then its smoke overrides (when `smoke`), then `overrides`; with the
+def stage_layers(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
+                 overrides: Mapping[str, Any] | None = None) -> Layers:
+    """The raw config of one stage with where each value came from: its table (and includes), the recipe's own
+    command-line overrides (`Recipe.with_overrides`), its smoke overrides (when `smoke`), then `overrides`; with the
     pinned model revision filled in, `${recipe_dir}` expanded and, when `run_dir` is given, `${run_dir}` expanded and
     the stage's directory set."""
     kind = STAGE_KINDS[stage]
     layers = Layers()
-    layers.merge(recipe.stages[stage], "recipe")
+    layers.merge(recipe.stages[stage], f"{recipe.path.name} [{stage}]")
+    layers.origin.update(recipe.origins.get(stage, {}))
+    _merge_command_line(layers, recipe.overrides.get(stage, {}), stage)
     if smoke and stage in recipe.smoke:
-        layers.merge(recipe.smoke[stage], "smoke")
+        layers.merge(recipe.smoke[stage], f"{recipe.path.name} [smoke.{stage}]")
     if overrides:
-        layers.merge(overrides, "overrides")
+        _merge_command_line(layers, overrides, stage)
     values = _pin_model_revision(layers.values, recipe.pins.model, recipe.path, stage)
     values = expand(values, RECIPE_DIR_VAR, str(recipe.path.parent))
     if run_dir is not None:
         values = expand(values, RUN_DIR_VAR, str(run_dir))
         values[kind.run_dir_key] = str(run_dir / kind.subdir) if kind.subdir else str(run_dir)
-    return values
+        layers.origin[kind.run_dir_key] = "the run directory"
+    return Layers(values, layers.origin)
+
+
+def _merge_command_line(layers: Layers, overrides: Mapping[str, Any], stage: str, prefix: str = "") -> None:
+    """Lay `overrides` over `layers`, each value's source named as the command-line option that gave it."""
+    for key, value in overrides.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            _merge_command_line(layers, value, stage, dotted + ".")
+            continue
+        node: dict[str, Any] = {}
+        leaf = node
+        *parents, last = dotted.split(".")
+        for part in parents:
+            leaf = leaf.setdefault(part, {})
+        leaf[last] = value
+        layers.merge(node, f"--{stage}.{dotted} on the command line")
+
+
+def stage_values(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
+                 overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The raw config of one stage (`stage_layers` without the sources)."""
+    return stage_layers(recipe, stage, run_dir, smoke, overrides).values
 
 
 def validate_stage(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke: bool = False,
@@ -362,11 +415,11 @@ def validate_stage(recipe: Recipe, stage: str, run_dir: Path | None = None, smok
     from primerl.config.loader import load
 
     model = STAGE_KINDS[stage].load_model()
-    values = stage_values(recipe, stage, run_dir, smoke, overrides)
+    layers = stage_layers(recipe, stage, run_dir, smoke, overrides)
     if run_dir is None:  # validate without a run directory: `${run_dir}` stays a placeholder path
-        values = expand(values, RUN_DIR_VAR, "run")
+        layers = Layers(expand(layers.values, RUN_DIR_VAR, "run"), layers.origin)
     try:
-        cfg, _ = load(model, [], base=values)
+        cfg, _ = load(model, [], base=layers)
     except ConfigError as e:
         where = f"[smoke.{stage}]" if smoke else f"[{stage}]"
         raise RecipeError(f"{recipe.path}: {where} {e}") from None
