@@ -90,7 +90,8 @@ def _parser(prog: str, help_stages: list[str] | None = None) -> argparse.Argumen
                    "options\nwithout the 'rl.' prefix (rl @ config.toml --max_steps 5; rl @ config.toml --help).")
     parser = argparse.ArgumentParser(
         prog=prog,
-        usage=f"{prog} recipe.toml [--run-dir DIR] [--allow-drift] [--no-check] [--smoke] [--<stage>.<key> value ...]",
+        usage=f"{prog} recipe.toml [--run-dir DIR] [--allow-drift] [--no-check] [--smoke] [--deterministic] "
+        "[--<stage>.<key> value ...]",
         description="Run a recipe: verify its pins, run the checklist, then its stages. Stage options: "
         "--<stage>.<key> value (e.g. --rl.max_steps 5).",
         epilog=epilog,
@@ -101,6 +102,9 @@ def _parser(prog: str, help_stages: list[str] | None = None) -> argparse.Argumen
     parser.add_argument("--allow-drift", action="store_true", help="run even if pins differ; record the drift")
     parser.add_argument("--no-check", action="store_true", help="do not run the validation checklist first")
     parser.add_argument("--smoke", action="store_true", help="run each stage's smoke variant (a few steps)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the RL stage replays bit for bit (--rl.deterministic true: CPU, synchronous, one "
+                        "thread per process; `primerl reproduce` checks it)")
     return parser
 
 
@@ -116,6 +120,10 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
         recipe.require_supported()  # a capability this build lacks is the first thing to say
         require_gpus(recipe)
         overrides = stage_overrides(recipe, rest)
+        if args.deterministic:
+            if "rl" not in recipe.stages:
+                raise RecipeError(f"--deterministic applies to an RL stage; recipe '{recipe.name}' has none")
+            overrides.setdefault("rl", {})["deterministic"] = "true"
         run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
         if (run_dir / MANIFEST_FILE).exists() and not _resumes(overrides):
             raise RecipeError(f"{run_dir} already holds a run; pass --run-dir for a new one (or --rl.resume=true)")
