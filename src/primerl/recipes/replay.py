@@ -90,13 +90,13 @@ class Comparison:
         }
 
     def table(self) -> str:
-        head = f"{'step':>4}  {'tokens':8}  {'reward (orig / replay)':28}  {'loss':28}  {'grad_norm':28}  checksum"
+        head = f"{'step':>4}  {'tokens':8}  {'reward (orig / replay)':32}  {'loss':32}  {'grad_norm':32}  checksum"
         lines = [head]
         for s in self.steps:
             cells = [f"{s.step:>4}", f"{s.verdicts.get('tokens', '-'):8}"]
             for name in ("reward", "loss", "grad_norm"):
                 a, b = getattr(s.original, name), getattr(s.replay, name)
-                cells.append(f"{_num(a)} / {_num(b)} {_mark(s.verdicts.get(name))}".ljust(28))
+                cells.append(f"{_num(a)} / {_num(b)} {_mark(s.verdicts.get(name))}".ljust(32))
             checksum = s.replay.weight_checksum or s.original.weight_checksum
             cells.append(f"{s.verdicts.get('weight_checksum', '-')} {checksum[:12] if checksum else ''}".rstrip())
             lines.append("  ".join(cells))
