@@ -119,14 +119,18 @@ def test_deterministic_fixes_the_process_configs():
     assert not trainer.train.deterministic and not trainer.train.weight_checksum
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max_async_steps", "1"], "max_async_steps must be 0"),
-    (["--trainer.train.backward_dtype", "bfloat16"], "backward in float32"),
-    (["--model.dtype", "bfloat16"], "computes in float32"),
-])
-def test_deterministic_refuses_settings_that_cannot_replay(args, message):
-    with pytest.raises(Exception, match=message):
-        load(RLConfig, ["--deterministic", *args])
+def test_deterministic_settings_win_over_the_configs_own():
+    cfg, _ = load(RLConfig, ["--deterministic", "--max_async_steps", "2", "--trainer.train.backward_dtype", "bfloat16",
+                             "--model.dtype", "bfloat16", "--inference.max_batch_size", "16"])
+    assert cfg.max_async_steps == 0
+    inference, _, trainer = cfg.process_configs(DeviceAssignment([], []), base_url="http://127.0.0.1:0")
+    assert (inference.max_batch_size, inference.model.dtype, trainer.train.backward_dtype, trainer.model.dtype) == (
+        1, "float32", "float32", "float32")
+
+
+def test_deterministic_refuses_vllm():
+    with pytest.raises(Exception, match="needs the embedded engine"):
+        load(RLConfig, ["--deterministic", "--inference.engine", "vllm"])
 
 
 def test_deterministic_refuses_a_gpu_in_one_line():
