@@ -73,6 +73,8 @@ CASES = [
     Smoke("e2e_vs_trl.py", ("primerl_rollouts_per_s", "primerl_rewards", "rounds"), not_run=("trl",),
           args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
     Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("reproduce.py", ("steps", "parts", "summary"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
+          marks=INTEGRATION),
     Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"
