@@ -46,8 +46,8 @@ ORCHESTRATOR_SHARED = {
     "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks", "wandb", "teacher",
 }
 TRAINER_SHARED = {
-    "run_dir", "model", "train.max_steps", "train.seed", "train.deterministic", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
-    "wandb",
+    "run_dir", "model", "train.max_steps", "train.seed", "train.deterministic", "ckpt.resume", "weights.transfer",
+    "weights.broadcast.receivers", "wandb",
 }
 # The teacher server's keys that `rl` sets itself (its seed is the run's; no weights ever reach it; its admin token
 # is its own).
