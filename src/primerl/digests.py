@@ -64,3 +64,18 @@ def _write(stamp: Path, record: dict) -> None:
         tmp.replace(stamp)
     except OSError:  # a read-only cache: hash again next time
         pass
+
+
+def sha256_tree(root: Path) -> str:
+    """The sha256 of a directory tree (a package's source): over each file's relative path and the sha256 of its bytes,
+    in path order. Caches and hidden entries (`__pycache__`, `*.pyc`, names starting with a dot) are left out, so
+    importing the package or an editor's files do not change it; a file added, removed, renamed or edited does."""
+    root = Path(root)
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*"), key=lambda p: p.relative_to(root).as_posix()):
+        relative = path.relative_to(root)
+        skipped = any(part.startswith(".") or part == "__pycache__" for part in relative.parts)
+        if skipped or path.suffix == ".pyc" or not path.is_file():
+            continue
+        digest.update(f"{relative.as_posix()}\0{sha256_file(path)}\n".encode())
+    return digest.hexdigest()

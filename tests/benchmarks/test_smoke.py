@@ -118,6 +118,8 @@ CASES = [
           not_run=("tiny/4/1x2.primerl-vllm", "tiny/4/1x2.trl-vllm", "tiny/4/1x2.trl-generate"),
           args=("--work-dir", "{tmp}/work"), marks=INTEGRATION, check=check_p1_gpu_matrix),
     Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("reproduce.py", ("steps", "parts", "summary"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
+          marks=INTEGRATION),
     Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"

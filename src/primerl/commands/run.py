@@ -98,7 +98,7 @@ def _parser(prog: str, help_stages: list[str] | None = None) -> argparse.Argumen
     parser = argparse.ArgumentParser(
         prog=prog,
         usage=f"{prog} recipe.toml [--run-dir DIR] [--allow-drift] [--no-check] [--smoke] [--dry-run] "
-              "[--<stage>.<key> value ...]",
+              "[--deterministic] [--<stage>.<key> value ...]",
         description="Run a recipe: verify its pins, run the checklist, then its stages. Stage options: "
         "--<stage>.<key> value (e.g. --rl.max_steps 5).",
         epilog=epilog,
@@ -111,6 +111,9 @@ def _parser(prog: str, help_stages: list[str] | None = None) -> argparse.Argumen
     parser.add_argument("--smoke", action="store_true", help="run each stage's smoke variant (a few steps)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the resolved plan (stages, configs, pins) and exit; nothing is run or written")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="the RL stage replays bit for bit (--rl.deterministic true: CPU, synchronous, one "
+                        "thread per process; `primerl reproduce` checks it)")
     return parser
 
 
@@ -125,6 +128,10 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
         recipe = load_recipe(args.recipe)
         recipe.require_supported()  # a capability this build lacks is the first thing to say
         overrides = stage_overrides(recipe, rest)
+        if args.deterministic:
+            if "rl" not in recipe.stages:
+                raise RecipeError(f"--deterministic applies to an RL stage; recipe '{recipe.name}' has none")
+            overrides.setdefault("rl", {})["deterministic"] = "true"
         checked = recipe.with_overrides(overrides)  # what the checklist checks: the recipe as this run resolves it
         run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
         if args.dry_run:

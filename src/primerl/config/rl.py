@@ -6,6 +6,7 @@ into each process's config; the `[inference]`, `[orchestrator]` and `[trainer]` 
     seed = 0                                # -> inference.seed, orchestrator.seed, trainer.train.seed
     max_steps = 20                          # -> orchestrator.max_steps, trainer.train.max_steps
     max_async_steps = 1                     # -> orchestrator.max_async_steps
+    deterministic = false                   # CPU, synchronous, fixed threads: replays bit for bit (determinism.py)
     seq_len = 2048                          # -> orchestrator.batch.seq_len (the trainer reads it from each batch)
     wandb.project = "reverse-text"          # -> orchestrator.wandb, trainer.wandb (one W&B run for both)
     weight_transfer = "filesystem"          # -> trainer.weights.transfer, inference.weight_transfer
@@ -27,6 +28,7 @@ from typing import Any
 import pydantic
 from pydantic import Field, create_model, model_validator
 
+from primerl.config import determinism
 from primerl.config.algorithms import move_legacy_filter_keys
 from primerl.config.base import ProcessConfig, Section
 from primerl.config.common import ModelConfig, WandbConfig
@@ -44,8 +46,8 @@ ORCHESTRATOR_SHARED = {
     "client.base_url", "client.base_urls", "batch.seq_len", "batch.num_ranks", "wandb", "teacher",
 }
 TRAINER_SHARED = {
-    "run_dir", "model", "train.max_steps", "train.seed", "ckpt.resume", "weights.transfer", "weights.broadcast.receivers",
-    "wandb",
+    "run_dir", "model", "train.max_steps", "train.seed", "train.deterministic", "ckpt.resume", "weights.transfer",
+    "weights.broadcast.receivers", "wandb",
 }
 # The teacher server's keys that `rl` sets itself (its seed is the run's; no weights ever reach it; its admin token
 # is its own).
@@ -143,6 +145,11 @@ class RLConfig(ProcessConfig):
         1, ge=0, description="rollouts for step n come from policy >= n - max_async_steps (0: synchronous)"
     )
     seq_len: int = Field(2048, ge=8, description="tokens per packed training row")
+    deterministic: bool = Field(
+        False, description="replay bit for bit: CPU only, max_async_steps = 0, the embedded engine one sequence at a "
+        "time, one thread per process, float32, deterministic algorithms, a weight checksum per step "
+        "(primerl.config.determinism)"
+    )
     resume: bool = Field(False, description="continue the run in output_dir from its newest checkpoints")
     weight_transfer: WeightTransfer = Field(
         "filesystem",
@@ -177,6 +184,21 @@ class RLConfig(ProcessConfig):
         if isinstance(data, dict) and "orchestrator" in data:
             data = {**data, "orchestrator": move_legacy_filter_keys(data["orchestrator"])}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _deterministic_is_synchronous(cls, data: Any) -> Any:
+        if isinstance(data, dict) and str(data.get("deterministic", "")).lower() in ("true", "1", "yes"):
+            data = {**data, "max_async_steps": 0}  # whatever a recipe or file says (docs/recipes.md)
+        return data
+
+    @model_validator(mode="after")
+    def _deterministic_settings(self) -> RLConfig:
+        if self.deterministic:
+            determinism.check(self.inference.engine)
+            if self.teacher is not None:
+                raise ValueError("deterministic = true does not cover a [teacher] server; drop one of them")
+        return self
 
     @model_validator(mode="after")
     def _teacher_for_distillation(self) -> RLConfig:
@@ -224,6 +246,8 @@ class RLConfig(ProcessConfig):
                                  "set devices.trainer ([] trains on the CPU) or give devices.inference fewer GPUs")
             trainer = left or list(inference)  # one GPU only: the trainer shares it (colocated)
         self._check_devices(inference, trainer, num_gpus)
+        if self.deterministic:
+            determinism.check_devices(inference, trainer)
         transfer_mode(self.weight_transfer).check_devices(inference, trainer)
         return DeviceAssignment(list(inference), list(trainer))
 
@@ -339,6 +363,8 @@ class RLConfig(ProcessConfig):
                 trainer["train"]["threads"] = trainer_threads
         if trainer["train"]["warm_up_tokens"] is None:  # the CPU trainer waits for its first batch: warm up meanwhile
             trainer["train"]["warm_up_tokens"] = self.seq_len if not devices.inference and not devices.trainer else 0
+        if self.deterministic:
+            determinism.apply(inference, orchestrator, trainer)
         self._share_weight_transfer(inference, trainer, broadcast_port)
         token = FILE_LAYER.set({})  # the rl config's own files are being read now; they are not these processes'
         try:

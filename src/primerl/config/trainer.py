@@ -42,6 +42,13 @@ class TrainingConfig(Section):
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )
     seed: int = Field(0, description="seed for initialisation of new parameters (LoRA) and fake data")
+    deterministic: bool = Field(
+        False, description="torch.use_deterministic_algorithms(True) (`rl --deterministic` sets it)"
+    )
+    weight_checksum: bool = Field(
+        False, description="log `weight_checksum`, the sha256 of the weights' bytes after each step (on a GPU it "
+        "copies every weight to the host; `rl --deterministic` turns it on)"
+    )
     warm_up_tokens: int | None = Field(
         None, ge=0, description="RL on the CPU: before its first batch, one forward and backward over a dummy row of "
         "this many tokens whose gradients are dropped, so that the first step finds its memory already mapped "

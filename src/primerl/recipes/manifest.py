@@ -3,7 +3,9 @@
 Fields: the recipe (path, sha256, name, stages, hardware, requires), every pin check (pinned, found, status) and
 whether drift was allowed, the lock file and its sha256, every installed package version, primerl's version and git
 commit, the container image digest, host facts (OS, CPU model and cores, memory, GPUs, driver, CUDA), the checklist's
-verdict per step, the command-line overrides, and per stage its resolved config and outcome.
+verdict per step, the command-line overrides, the seed and whether the run is deterministic (and what that fixes:
+`primerl.config.determinism`), the environment package's installed version and source-tree sha256, and per stage its
+resolved config and outcome.
 
 Two runs of one recipe on one machine give manifests that differ only in the fields listed under `volatile_fields`
 (dotted paths, `*` matches any key): the run id, the times, and the run directory. Stage configs are recorded with the
@@ -24,7 +26,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from primerl.recipes.pins import architecture, image_digest, in_container, installed_packages
+from primerl.recipes.pins import (
+    architecture,
+    image_digest,
+    in_container,
+    installed_packages,
+    installed_version,
+    package_tree_sha256,
+)
 from primerl.recipes.schema import RUN_DIR_VAR, Recipe
 
 MANIFEST_FILE = "manifest.json"
@@ -88,11 +97,32 @@ def build_manifest(
         "host": host_facts(),
         "checklist": dict(checklist) if checklist is not None else None,
         "overrides": dict(overrides),
+        "determinism": determinism_record(stage_configs),
+        "environment": environment_record(recipe),
         "stages": {
             name: {"config": relative_to_run_dir(dict(cfg), str(run_dir)), "status": "pending"}
             for name, cfg in stage_configs.items()
         },
     }
+
+
+def determinism_record(stage_configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The RL stage's seed and whether it runs deterministically, with what a deterministic run fixes."""
+    from primerl.config import determinism
+
+    rl = stage_configs.get("rl") or {}
+    deterministic = bool(rl.get("deterministic", False))
+    return {"seed": rl.get("seed"), "deterministic": deterministic,
+            "settings": determinism.settings() if deterministic else None}
+
+
+def environment_record(recipe: Recipe) -> dict[str, Any] | None:
+    """The pinned environment package as installed here: version and source-tree sha256."""
+    env = recipe.pins.environment
+    if env is None:
+        return None
+    return {"package": env.package, "version": installed_version(env.package),
+            "sha256": package_tree_sha256(env.package)}
 
 
 def write_manifest(run_dir: Path, manifest: Mapping[str, Any]) -> Path:

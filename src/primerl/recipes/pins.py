@@ -194,6 +194,9 @@ def verify_pins(recipe: Recipe, progress: Callable[[str], None] | None = None) -
     if pins.environment is not None:
         env = pins.environment
         report.add(f"environment {env.package}", env.version, installed_version(env.package))
+        if env.sha256 is not None:
+            say(f"hashing the source tree of {env.package}")
+            report.add(f"environment {env.package} sha256", env.sha256, package_tree_sha256(env.package))
     for key, sha in pins.data.items():
         path = data_file(key, recipe.path.parent)
         say(f"hashing {key}")
@@ -290,6 +293,11 @@ def compute_pins(recipe: Recipe, progress: Callable[[str], None] | None = None) 
         if version is None:
             notes.append(f"environment {env.package} is not installed here; its pins are kept")
         tables["pins.environment"] = {"package": env.package, "version": version or env.version}
+        say(f"hashing the source tree of {env.package}")
+        if (tree := package_tree_sha256(env.package)) is not None:
+            tables["pins.environment"]["sha256"] = tree
+        elif env.sha256 is not None:
+            tables["pins.environment"]["sha256"] = env.sha256
         if not any(k.partition("/")[0] != "." for k in keys):
             keys += _shipped_data(env.package)
     tables["pins.data"] = _data_hashes(keys, recipe.path.parent, say, notes, pins.data)
@@ -299,6 +307,18 @@ def compute_pins(recipe: Recipe, progress: Callable[[str], None] | None = None) 
         images[architecture()] = image_digest()
     tables["pins.images"] = images
     return tables, notes
+
+
+def package_tree_sha256(distribution: str) -> str | None:
+    """`sha256_tree` of an installed environment package's importable directory (module = the distribution name with
+    `_` for `-`, looked up on sys.path), None when it is not installed. The same files whether the package was
+    installed from its wheel or from its source tree (editable)."""
+    from primerl.digests import sha256_tree
+
+    spec = PathFinder.find_spec(distribution.replace("-", "_"))
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return sha256_tree(Path(next(iter(spec.submodule_search_locations))))
 
 
 def _shipped_data(distribution: str) -> list[str]:

@@ -7,7 +7,8 @@ A recipe is a TOML file with a top-level `[recipe]` table — that table is what
     [pins]              python, lock_sha256
     [pins.packages]     distribution = "version"
     [pins.model]        source, revision   and  [pins.model.files]  "relative/path" = "sha256"
-    [pins.environment]  package, version   and  [pins.data]  "package/path" or "./path" = "sha256"
+    [pins.environment]  package, version, sha256 (of its source tree: primerl.digests.sha256_tree)
+    [pins.data]         "package/path" or "./path" = "sha256"
     [pins.images]       amd64 / arm64 = "sha256:<digest>"
     [sft] / [rl]        the stage's config: the schema of `primerl sft` / `primerl rl`; `include = [...]` pulls in
                         config files (paths relative to the recipe); strings may use `${recipe_dir}` and
@@ -187,6 +188,14 @@ class ModelPin(Section):
 class EnvironmentPin(Section):
     package: str = Field(..., description="distribution name of the environment package, e.g. reverse-text")
     version: str = Field(..., description="its installed version")
+    sha256: str | None = Field(
+        None, description="sha256 of its source tree (primerl.digests.sha256_tree of the importable package)"
+    )
+
+    @field_validator("sha256")
+    @classmethod
+    def _tree(cls, value: str | None) -> str | None:
+        return None if value is None else _check_sha256(value, "sha256")
 
 
 class Pins(Section):

@@ -9,6 +9,7 @@ of the whole step (all micro-batches, all ranks), clips, steps the optimizer and
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import math
 import time
@@ -160,6 +161,8 @@ class Trainer:
         self.parts = parts
         self.dist, self.device = tdist.setup(parts.train.device)
         torch.manual_seed(parts.train.seed)
+        if parts.train.deterministic:
+            torch.use_deterministic_algorithms(True)
         if parts.train.threads is not None:
             torch.set_num_threads(parts.train.threads)
         self.policy, self.tokenizer = build_policy(parts.model, parts.train, parts.lora, self.device, self.dist)
@@ -302,6 +305,8 @@ class Trainer:
             mfu=flops / step_s / world / self.peak_flops if self.peak_flops else None,
             peak_memory_gib=peak_memory_gib(self.device),
         )
+        if self.parts.train.weight_checksum:
+            metrics["weight_checksum"] = weight_checksum(self.policy.causal_lm, self.dist.world_size)
         return metrics
 
     def _clip_gradients(self) -> float:
@@ -330,6 +335,22 @@ class Trainer:
     def close(self) -> None:
         self.publisher.close()
         tdist.teardown()
+
+
+def weight_checksum(model: torch.nn.Module, world_size: int = 1) -> str:
+    """sha256 over every parameter's name, dtype, shape and bytes, in name order: equal exactly when the weights are
+    bit for bit equal. With several ranks each hashes its own shards and rank 0's digest covers all of them."""
+    digest = hashlib.sha256()
+    for name, param in sorted(model.named_parameters()):
+        local = param.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local
+        digest.update(f"{name}:{local.dtype}:{tuple(local.shape)}".encode())
+        digest.update(local.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    if world_size == 1:
+        return digest.hexdigest()
+    shards: list[str | None] = [None] * world_size
+    torch.distributed.all_gather_object(shards, digest.hexdigest())
+    return hashlib.sha256("".join(str(s) for s in shards).encode()).hexdigest()
 
 
 def setup_logging(rank: int, name: str) -> None:
