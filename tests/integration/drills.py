@@ -19,6 +19,7 @@ from pathlib import Path
 
 from conftest import REPO, batch_meta, processes_of_run, rl_command, wait_for
 
+from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 from primerl.transport import snapshots
 
@@ -131,10 +132,6 @@ MAX_RESTARTS = 3
 EVERY_START = "trainer at every start"  # the fault injected on every start: each trainer SIGKILLed as it appears
 
 
-def restart_records(run: Path) -> list[dict]:
-    return [r for r in read_metrics(run, "launcher") if r.get("event") == "restart"]
-
-
 def _kill_every_new(run: Path, process: str, stop: threading.Event) -> list[int]:
     """SIGKILL each `process` of the run as soon as it appears, until `stop`; returns the pids killed."""
     killed: list[int] = []
@@ -181,7 +178,7 @@ def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
         if launcher.poll() is None:
             launcher.kill()
     wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the run to stop")
-    restarts = restart_records(run)
+    restarts = restarts_of_run(run)
     failed_at = max([started_before, *(r["failed_at_step"] for r in restarts[:1])])
     resumed_from = restarts[0]["resumed_from_step"] if restarts else None
     trainer_steps = [r["step"] for r in read_metrics(run, "trainer")]

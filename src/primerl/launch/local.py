@@ -41,7 +41,7 @@ from primerl.launch.processes import (
     stop_all,
     torchrun_command,
 )
-from primerl.launch.restart import Failure, Progress, RestartPolicy
+from primerl.launch.restart import RESTART_SOURCE, Failure, Progress, RestartPolicy
 from primerl.monitor import METRICS_FILE, MetricsLogger, drop_records_after
 from primerl.ports import free_port
 from primerl.transport import checkpoints, snapshots
@@ -50,7 +50,6 @@ from primerl.transport.weight_transfer.modes import transfer_mode
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
-RESTART_SOURCE = "launcher"  # the `source` of the restart records in metrics.jsonl
 RESTARTS_LOG = "restarts.log"  # in <run>/logs: each restart's line and the failed process's last log lines
 
 

@@ -13,8 +13,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from primerl.monitor import read_metrics
+
+RESTART_SOURCE = "launcher"  # the `source` of the restart records in metrics.jsonl ({"event": "restart", ...})
 CRASH_LOOP_FAILURES = 3  # the same failure this many times in a row, with no new trained step: a crash loop
 STALLED = "the run"  # the `Failure.process` of a run that stopped making progress (which process hung is unknown)
+
+
+def restarts_of_run(run_dir: Path) -> list[dict]:
+    """The restart records of the run in `run_dir`, oldest first (what the manifest's `stages.rl.restarts` counts)."""
+    return [r for r in read_metrics(run_dir, RESTART_SOURCE) if r.get("event") == "restart"]
 
 
 @dataclass(frozen=True)
