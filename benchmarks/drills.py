@@ -1,7 +1,7 @@
 """Kill drills on the tiny CPU run: each process SIGKILLed at a point of the run (writing a batch, writing weights,
 checkpointing, mid-run), then `rl --resume` to the end; and the auto-restart drills: `rl --max-restarts 3` with one
-process SIGKILLed once mid-run (the launcher resumes by itself), and with every trainer SIGKILLed as it starts (the
-launcher must stop with the cause). Prints the table as JSON.
+process SIGKILLed once mid-run or the trainer SIGSTOPped (the launcher resumes by itself), and with every trainer
+SIGKILLed as it starts (the launcher must stop with the cause). Prints the table as JSON.
 
     uv run python benchmarks/drills.py --out benchmarks/results/drills.json
     uv run python benchmarks/drills.py --only auto_restart --out benchmarks/results/drills.json   # rewrites only
@@ -31,6 +31,7 @@ sys.path.insert(0, str(REPO / "tests" / "integration"))
 from drills import (
     DRILLS,
     EVERY_START,
+    HUNG,
     MAX_RESTARTS,
     MAX_STEPS,
     RESTART_DRILLS,
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
             drills = DRILLS[:1] if args.smoke else DRILLS
             result["drills"] = [_timed(lambda run, d=drill: run_drill(d, run, uninterrupted)) for drill in drills]
         if "auto_restart" in parts:
-            faults = RESTART_DRILLS[:1] if args.smoke else [*RESTART_DRILLS, EVERY_START]
+            faults = RESTART_DRILLS[:1] if args.smoke else [*RESTART_DRILLS, HUNG, EVERY_START]
             rows = [_timed(lambda run, f=fault: run_restart_drill(f, run, uninterrupted)) for fault in faults]
             result["auto_restart"] = {"max_restarts": MAX_RESTARTS, "crash_loop_failures": CRASH_LOOP_FAILURES,
                                       "rows": rows, "run": run_facts(args.smoke)}

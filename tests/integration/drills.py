@@ -130,6 +130,8 @@ def run_drill(drill: Drill, run: Path, uninterrupted: Path | None = None) -> dic
 RESTART_DRILLS = ["trainer", "orchestrator", "inference"]  # SIGKILLed once, mid-run
 MAX_RESTARTS = 3
 EVERY_START = "trainer at every start"  # the fault injected on every start: each trainer SIGKILLed as it appears
+HUNG = "hung trainer"  # the trainer SIGSTOPped once mid-run: alive and silent; the launcher sees the run stall
+STALL_TIMEOUT_S = 120  # the hung drill's stall_timeout_s: far above a step of the tiny run on a busy machine
 
 
 def _kill_every_new(run: Path, process: str, stop: threading.Event) -> list[int]:
@@ -153,9 +155,10 @@ def _kill_every_new(run: Path, process: str, stop: threading.Event) -> list[int]
 
 def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
                       max_restarts: int = MAX_RESTARTS) -> dict:
-    """`rl --max-restarts` with `fault` (a process of `RESTART_DRILLS` SIGKILLed once after the first trained step, or
-    `EVERY_START`); the row of the results table."""
-    launcher = subprocess.Popen(rl_command(run, f"--max_steps={MAX_STEPS}", f"--max-restarts={max_restarts}"),
+    """`rl --max-restarts` with `fault` (a process of `RESTART_DRILLS` SIGKILLed once after the first trained step,
+    `HUNG` or `EVERY_START`); the row of the results table."""
+    stall = [f"--stall_timeout_s={STALL_TIMEOUT_S}"] if fault == HUNG else []
+    launcher = subprocess.Popen(rl_command(run, f"--max_steps={MAX_STEPS}", f"--max-restarts={max_restarts}", *stall),
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stop = threading.Event()
     trained_before = started_before = 0
@@ -168,7 +171,10 @@ def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
                 assert launcher.poll() is None, f"restart {fault}: the run ended before its first trained step"
                 assert time.monotonic() < deadline, f"restart {fault}: no step was trained"
                 time.sleep(0.005)
-            os.kill(_pid_of(run, fault, launcher), signal.SIGKILL)
+            if fault == HUNG:
+                os.kill(_pid_of(run, "trainer", launcher), signal.SIGSTOP)
+            else:
+                os.kill(_pid_of(run, fault, launcher), signal.SIGKILL)
             killed = [fault]
             trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
             started_before = max([trained_before, *_steps_being_written(run)])
@@ -186,7 +192,8 @@ def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
     finished = launcher.returncode == 0 and snapshots.is_stable(snapshots.weights_dir(run, MAX_STEPS))
     lines = err.splitlines()
     return {
-        "fault": f"SIGKILL {fault}" if fault == EVERY_START else f"SIGKILL {fault} once, mid-run",
+        "fault": {EVERY_START: f"SIGKILL {fault}", HUNG: f"SIGSTOP trainer once, mid-run (stall_timeout_s "
+                  f"{STALL_TIMEOUT_S})"}.get(fault, f"SIGKILL {fault} once, mid-run"),
         "max_restarts": max_restarts,
         "kills": len(killed),
         "restarts": len(restarts),

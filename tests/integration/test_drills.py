@@ -18,6 +18,7 @@ from conftest import REPO, processes_of_run, rl_command, wait_for
 from drills import (
     DRILLS,
     EVERY_START,
+    HUNG,
     MAX_STEPS,
     RESTART_DRILLS,
     run_drill,
@@ -79,6 +80,16 @@ def test_restart_after_a_kill_finishes_the_run_by_itself(process, tmp_path, unin
     assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
     assert row["duplicate_batch_records"] == 0, row
     assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+
+
+def test_restart_after_a_hang_finishes_the_run_by_itself(tmp_path, uninterrupted):
+    """The trainer stops (SIGSTOP: alive, silent): no metrics record comes for stall_timeout_s, the launcher stops the
+    run (the stopped trainer by SIGKILL) and resumes it."""
+    row = run_restart_drill(HUNG, tmp_path / "run", uninterrupted)
+    assert row["outcome"] == "finished" and row["exit_code"] == 0, row
+    assert row["restarts"] == 1 and row["causes"][0].startswith("the run made no progress"), row
+    assert row["task_order_equal"] and row["steps_lost"] == 0 and row["steps_redone"] <= 1, row
+    assert row["duplicate_trainer_records"] == 0 and row["duplicate_batch_records"] == 0, row
 
 
 def test_restart_a_fault_at_every_start_is_a_crash_loop_that_stops_with_the_cause(tmp_path):
