@@ -291,7 +291,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
                 print(f"rl: {decision.reason}{tail}", file=sys.stderr, flush=True)
                 return 1
             console.close()
-            _record_restart(cfg, policy, outcome, failed, stream)
+            _record_restart(cfg, policy, outcome, failed)
             cfg = cfg.model_copy(update={"resume": True})
             try:
                 processes = build_processes(cfg, run_dir, devices, gpus)
@@ -313,8 +313,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
             console.close()
 
 
-def _record_restart(cfg: RLConfig, policy: RestartPolicy, failure: Failure, failed: ManagedProcess | None,
-                    stream) -> None:
+def _record_restart(cfg: RLConfig, policy: RestartPolicy, failure: Failure, failed: ManagedProcess | None) -> None:
     """Say why the run restarts (one line on stderr, the failed process's last log lines in the log of restarts) and
     append a `restart` record to metrics.jsonl (source `launcher`; the manifest counts them)."""
     run_dir = cfg.output_dir
