@@ -1,13 +1,19 @@
 """Kill drills on the tiny CPU run: each process SIGKILLed at a point of the run (writing a batch, writing weights,
-checkpointing, mid-run), then `rl --resume` to the end; prints the table as JSON.
+checkpointing, mid-run), then `rl --resume` to the end; and the auto-restart drills: `rl --max-restarts 3` with one
+process SIGKILLed once mid-run or the trainer SIGSTOPped (the launcher resumes by itself), and with every trainer
+SIGKILLed as it starts (the launcher must stop with the cause). Prints the table as JSON.
 
     uv run python benchmarks/drills.py --out benchmarks/results/drills.json
-    uv run python benchmarks/drills.py --smoke        # the uninterrupted run and the first drill only
+    uv run python benchmarks/drills.py --only auto_restart --out benchmarks/results/drills.json   # rewrites only
+                                                            # the file's "auto_restart" rows, keeps the others
+    uv run python benchmarks/drills.py --smoke        # the uninterrupted run and the first drill of each part
 
-Columns: fault, point, steps lost (trained steps missing at the end), steps redone (trained before the kill, after
-the checkpoint the resume started from), duplicate metrics records, outcome, and whether each step trained on the same
-tasks as in an uninterrupted run of the same config and seed (task_order_equal). The drills are the `drills` tests'
-(tests/integration/drills.py).
+Columns of the kill drills ("drills"): fault, point, steps lost (trained steps missing at the end), steps redone
+(trained before the kill, after the checkpoint the resume started from), duplicate metrics records, outcome, and
+whether each step trained on the same tasks as in an uninterrupted run of the same config and seed (task_order_equal).
+Of the auto-restart drills ("auto_restart.rows"): fault, restarts and their causes, steps lost, steps redone, task
+order equal, exit code, the restart lines and the line the run stopped with. The drills are the `drills` tests'
+(tests/integration/drills.py). "run" describes the last invocation; "auto_restart.run" that part's.
 """
 
 from __future__ import annotations
@@ -22,31 +28,57 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
-from drills import DRILLS, MAX_STEPS, run_drill, run_uninterrupted
-from report import add_smoke_flag, emit
+from drills import (
+    DRILLS,
+    EVERY_START,
+    HUNG,
+    MAX_RESTARTS,
+    MAX_STEPS,
+    RESTART_DRILLS,
+    run_drill,
+    run_restart_drill,
+    run_uninterrupted,
+)
+from report import add_smoke_flag, emit, run_facts
+
+from primerl.launch.restart import CRASH_LOOP_FAILURES
+
+PARTS = ("kill", "auto_restart")
+
+
+def _timed(run, *args) -> dict:
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as workdir:
+        row = run(Path(workdir) / "run", *args)
+    row["seconds"] = round(time.monotonic() - started, 1)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--only", choices=PARTS, help="run one part; with --out, the file's other rows are kept")
     add_smoke_flag(parser)
     args = parser.parse_args(argv)
-    drills = DRILLS[:1] if args.smoke else DRILLS
-    rows = []
+    parts = [args.only] if args.only else list(PARTS)
+    result = {"benchmark": "drills", "config": "configs/debug/tiny-rl.toml", "max_steps": MAX_STEPS,
+              "checkpoint_interval": 1}
+    if args.only and args.out is not None and args.out.is_file():
+        result = {**json.loads(args.out.read_text()), **result}
     with tempfile.TemporaryDirectory() as reference:
         uninterrupted = Path(reference) / "run"
         finished = run_uninterrupted(uninterrupted)
         if finished.returncode != 0:
             raise SystemExit(f"the uninterrupted run failed:\n{finished.stdout}{finished.stderr}")
-        for drill in drills:
-            started = time.monotonic()
-            with tempfile.TemporaryDirectory() as workdir:
-                row = run_drill(drill, Path(workdir) / "run", uninterrupted)
-            row["seconds"] = round(time.monotonic() - started, 1)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-    result = {"benchmark": "drills", "config": "configs/debug/tiny-rl.toml", "max_steps": MAX_STEPS,
-              "checkpoint_interval": 1, "drills": rows}
+        if "kill" in parts:
+            drills = DRILLS[:1] if args.smoke else DRILLS
+            result["drills"] = [_timed(lambda run, d=drill: run_drill(d, run, uninterrupted)) for drill in drills]
+        if "auto_restart" in parts:
+            faults = RESTART_DRILLS[:1] if args.smoke else [*RESTART_DRILLS, HUNG, EVERY_START]
+            rows = [_timed(lambda run, f=fault: run_restart_drill(f, run, uninterrupted)) for fault in faults]
+            result["auto_restart"] = {"max_restarts": MAX_RESTARTS, "crash_loop_failures": CRASH_LOOP_FAILURES,
+                                      "rows": rows, "run": run_facts(args.smoke)}
     emit(result, args.out, smoke=args.smoke)
 
 

@@ -4,7 +4,7 @@ and holding the keys its readers use; the parts it cannot run here are named und
 that breaks a benchmark fails the default tier instead of the next GPU session.
 
 The cheap ones run first; the ones that start whole `rl` runs or several primerl processes are marked integration
-(the default tier still runs them, last). drills.py's smoke run (three `rl` runs) is in the drills group and the
+(the default tier still runs them, last). drills.py's smoke run (four `rl` runs) is in the drills group and the
 multi-node runs need root (launchers group); both groups are .ci/run's, and drills.py's imports are checked here.
 """
 
@@ -120,7 +120,7 @@ CASES = [
     Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
     Smoke("reproduce.py", ("steps", "parts", "summary"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
           marks=INTEGRATION),
-    Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
+    Smoke("drills.py", ("drills", "auto_restart"), marks=(pytest.mark.drills, pytest.mark.integration)),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"
 

@@ -1,7 +1,10 @@
 """Kill drills on the tiny CPU run (`drills` tests, `benchmarks/drills.py`): start `rl`, SIGKILL one process at a
 point of the run (writing a batch, writing weights, checkpointing, mid-run), then `rl --resume` to the end, and report
 what the fault cost, and whether the resumed run trained on the same tasks in the same steps as an uninterrupted run of
-the same config and seed."""
+the same config and seed.
+
+The auto-restart drills (`run_restart_drill`) start `rl --max-restarts N` and SIGKILL one process once mid-run (the
+launcher restarts the run by itself), or every trainer that starts (the launcher must give up with the cause)."""
 
 from __future__ import annotations
 
@@ -9,12 +12,14 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from conftest import REPO, batch_meta, processes_of_run, rl_command, wait_for
 
+from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 from primerl.transport import snapshots
 
@@ -116,4 +121,95 @@ def run_drill(drill: Drill, run: Path, uninterrupted: Path | None = None) -> dic
         "task_order_equal": None if uninterrupted is None else tasks_per_step(run) == tasks_per_step(uninterrupted),
         "outcome": "finished" if finished else "failed",
         "resume_tail": "" if finished else (resumed.stdout + resumed.stderr)[-1500:],
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Auto-restart: `rl --max-restarts N` heals the run itself
+
+RESTART_DRILLS = ["trainer", "orchestrator", "inference"]  # SIGKILLed once, mid-run
+MAX_RESTARTS = 3
+EVERY_START = "trainer at every start"  # the fault injected on every start: each trainer SIGKILLed as it appears
+HUNG = "hung trainer"  # the trainer SIGSTOPped once mid-run: alive and silent; the launcher sees the run stall
+STALL_TIMEOUT_S = 120  # the hung drill's stall_timeout_s: far above a step of the tiny run on a busy machine
+
+
+def _kill_every_new(run: Path, process: str, stop: threading.Event) -> list[int]:
+    """SIGKILL each `process` of the run as soon as it appears, until `stop`; returns the pids killed."""
+    killed: list[int] = []
+
+    def watch() -> None:
+        while not stop.is_set():
+            for pid, cmd in processes_of_run(run).items():
+                if f"{process}.toml" in cmd and pid not in killed:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                    except ProcessLookupError:
+                        pass
+            time.sleep(0.02)
+
+    threading.Thread(target=watch, name=f"kill-every-{process}", daemon=True).start()
+    return killed
+
+
+def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
+                      max_restarts: int = MAX_RESTARTS) -> dict:
+    """`rl --max-restarts` with `fault` (a process of `RESTART_DRILLS` SIGKILLed once after the first trained step,
+    `HUNG` or `EVERY_START`); the row of the results table."""
+    stall = [f"--stall_timeout_s={STALL_TIMEOUT_S}"] if fault == HUNG else []
+    launcher = subprocess.Popen(rl_command(run, f"--max_steps={MAX_STEPS}", f"--max-restarts={max_restarts}", *stall),
+                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop = threading.Event()
+    trained_before = started_before = 0
+    try:
+        if fault == EVERY_START:
+            killed = _kill_every_new(run, "trainer", stop)
+        else:
+            deadline = time.monotonic() + 600
+            while not POINTS["mid-run"](run):
+                assert launcher.poll() is None, f"restart {fault}: the run ended before its first trained step"
+                assert time.monotonic() < deadline, f"restart {fault}: no step was trained"
+                time.sleep(0.005)
+            if fault == HUNG:
+                os.kill(_pid_of(run, "trainer", launcher), signal.SIGSTOP)
+            else:
+                os.kill(_pid_of(run, fault, launcher), signal.SIGKILL)
+            killed = [fault]
+            trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
+            started_before = max([trained_before, *_steps_being_written(run)])
+        out, err = launcher.communicate(timeout=1800)
+    finally:
+        stop.set()
+        if launcher.poll() is None:
+            launcher.kill()
+    wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the run to stop")
+    restarts = restarts_of_run(run)
+    failed_at = max([started_before, *(r["failed_at_step"] for r in restarts[:1])])
+    resumed_from = restarts[0]["resumed_from_step"] if restarts else None
+    trainer_steps = [r["step"] for r in read_metrics(run, "trainer")]
+    batch_steps = [r["step"] for r in read_metrics(run, "orchestrator")]
+    finished = launcher.returncode == 0 and snapshots.is_stable(snapshots.weights_dir(run, MAX_STEPS))
+    lines = err.splitlines()
+    return {
+        "fault": {EVERY_START: f"SIGKILL {fault}", HUNG: f"SIGSTOP trainer once, mid-run (stall_timeout_s "
+                  f"{STALL_TIMEOUT_S})"}.get(fault, f"SIGKILL {fault} once, mid-run"),
+        "max_restarts": max_restarts,
+        "kills": len(killed),
+        "restarts": len(restarts),
+        "causes": [f"{r['process']} {r['cause']}" for r in restarts],
+        "trained_before_kill": trained_before if fault != EVERY_START else None,
+        "resumed_from_checkpoint": resumed_from,
+        "steps_redone": max(0, failed_at - resumed_from) if resumed_from is not None else None,
+        "steps_lost": len(set(range(1, MAX_STEPS + 1)) - set(trainer_steps)),
+        "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
+        "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),
+        "task_order_equal": None if uninterrupted is None or not finished
+        else tasks_per_step(run) == tasks_per_step(uninterrupted),
+        "exit_code": launcher.returncode,
+        "restart_lines": [line for line in lines if line.startswith("rl: restart ")],
+        "stop_line": next((line for line in lines if line.startswith("rl: crash loop") or "restart(s) used" in line),
+                          None),
+        "outcome": "finished" if finished else "stopped",
+        "tail": "" if finished or fault == EVERY_START else (out + err)[-1500:],
     }

@@ -1,6 +1,8 @@
 """Kill drills (drills.py): each process of a tiny CPU run killed at a point of the run, then `--resume`: the run
 finishes every step, nothing is lost, each step's metrics appear once, at most the steps since the last checkpoint are
-redone. Also: the run directory's filesystem fills up (a sized tmpfs); the inference server hangs."""
+redone. Also: the run directory's filesystem fills up (a sized tmpfs); the inference server hangs. And auto-restart
+(`rl --max-restarts`): a process killed once mid-run is healed without `--resume`; a fault on every start stops the
+run after the restarts a crash loop allows, with the cause."""
 
 from __future__ import annotations
 
@@ -13,7 +15,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, processes_of_run, rl_command, wait_for
-from drills import DRILLS, run_drill, run_uninterrupted, tasks_per_step
+from drills import (
+    DRILLS,
+    EVERY_START,
+    HUNG,
+    MAX_STEPS,
+    RESTART_DRILLS,
+    run_drill,
+    run_restart_drill,
+    run_uninterrupted,
+    tasks_per_step,
+)
 
 from primerl.monitor import read_metrics
 from primerl.transport.checkpoints import latest_trainer_step
@@ -55,6 +67,38 @@ def test_kill_then_resume(drill, tmp_path, uninterrupted):
     assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
     assert row["duplicate_batch_records"] == 0, row
     assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+
+
+@pytest.mark.parametrize("process", RESTART_DRILLS)
+def test_restart_after_a_kill_finishes_the_run_by_itself(process, tmp_path, uninterrupted):
+    row = run_restart_drill(process, tmp_path / "run", uninterrupted)
+    assert row["outcome"] == "finished" and row["exit_code"] == 0, row
+    assert row["restarts"] == 1 and row["causes"] == [f"{process} was killed by signal 9"], row
+    assert len(row["restart_lines"]) == 1 and row["restart_lines"][0].startswith(
+        f"rl: restart 1/3: {process} was killed by signal 9 at step "), row
+    assert row["task_order_equal"], (tasks_per_step(tmp_path / "run"), tasks_per_step(uninterrupted))
+    assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
+    assert row["duplicate_batch_records"] == 0, row
+    assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+
+
+def test_restart_after_a_hang_finishes_the_run_by_itself(tmp_path, uninterrupted):
+    """The trainer stops (SIGSTOP: alive, silent): no metrics record comes for stall_timeout_s, the launcher stops the
+    run (the stopped trainer by SIGKILL) and resumes it."""
+    row = run_restart_drill(HUNG, tmp_path / "run", uninterrupted)
+    assert row["outcome"] == "finished" and row["exit_code"] == 0, row
+    assert row["restarts"] == 1 and row["causes"][0].startswith("the run made no progress"), row
+    assert row["task_order_equal"] and row["steps_lost"] == 0 and row["steps_redone"] <= 1, row
+    assert row["duplicate_trainer_records"] == 0 and row["duplicate_batch_records"] == 0, row
+
+
+def test_restart_a_fault_at_every_start_is_a_crash_loop_that_stops_with_the_cause(tmp_path):
+    row = run_restart_drill(EVERY_START, tmp_path / "run", max_restarts=5)
+    assert row["exit_code"] == 1 and row["outcome"] == "stopped", row
+    assert row["restarts"] == 2 and row["kills"] == 3, row  # the third same failure without a new step: a loop
+    assert row["stop_line"].startswith("rl: crash loop: trainer was killed by signal 9 3 times in a row without a "
+                                       "new trained step"), row
+    assert row["steps_lost"] == MAX_STEPS, row
 
 
 def _mount_tmpfs(where, size: str) -> None:

@@ -154,6 +154,22 @@ def test_one_node_job_runs_the_checklist_then_the_recipe(tmp_path):
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
 
 
+def test_one_node_job_is_requeued_and_then_resumes_the_run(tmp_path):
+    script = slurm_script(tmp_path)
+    assert "#SBATCH --requeue\n" in script and "#SBATCH --open-mode=append\n" in script
+    # the recipe's line, run by bash with `python` replaced by echo: the first start does not resume, a requeued one does
+    (line,) = [line for line in script.splitlines() if " run " in line and "--run-dir" in line]
+    start = script.index("RESUME=()")
+    snippet = script[start:script.index("\n", script.index(line))].replace(line.split()[0], "echo", 1)
+    for count, resumes in (("0", False), ("2", True)):
+        env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": count, "SLURM_JOB_ID": "7"}
+        out = subprocess.run(["bash", "-euo", "pipefail", "-c", snippet], env=env, capture_output=True, text=True,
+                             check=True).stdout
+        assert out.rstrip().endswith("--rl.max_steps=2 --rl.resume=true") is resumes, out
+    multi = slurm_script(tmp_path, nodes=3, inference_nodes=1)
+    assert "--requeue" not in multi  # the roles of several nodes do not resume
+
+
 def test_multi_node_job_has_one_srun_per_role_on_its_node(tmp_path):
     script = slurm_script(tmp_path, nodes=3, inference_nodes=1)
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0

@@ -10,6 +10,7 @@ import runpy
 import pytest
 from recipe_helpers import RECIPES, ROOT, TINY_RECIPE, primerl
 
+from primerl.config.rl import RECIPE_MAX_RESTARTS, RLConfig
 from primerl.recipes import load_recipe
 from primerl.recipes.manifest import manifest_differences, read_manifest, without_volatile
 from primerl.recipes.plan import plan_run, start_run
@@ -26,6 +27,7 @@ def test_the_manifest_records_config_pins_versions_code_and_host(tmp_path):
     assert manifest["recipe"]["name"] == "tiny"
     rl = manifest["stages"]["rl"]["config"]
     assert rl["output_dir"] == "${run_dir}" and rl["max_steps"] == 3 and rl["model"]["name"] == "tiny"
+    assert rl["max_restarts"] == RECIPE_MAX_RESTARTS > 0 == RLConfig().max_restarts  # a recipe restarts by default
     assert {c["name"] for c in manifest["pins"]["checks"]} >= {"python", "lock", "model file model.safetensors"}
     assert manifest["pins"]["drift"] == [] and manifest["pins"]["allow_drift"] is False
     assert manifest["lock"]["sha256"] == load_recipe(TINY_RECIPE).pins.lock_sha256
@@ -37,6 +39,11 @@ def test_the_manifest_records_config_pins_versions_code_and_host(tmp_path):
     assert host["gpus"] == [] or all("name" in g for g in host["gpus"])
     assert manifest["checklist"] == {"python": "passed"}
     assert (tmp_path / "run" / "config" / "recipe.rl.toml").is_file()
+
+
+def test_a_recipes_restarts_can_be_turned_off(tmp_path):
+    plan = plan_run(load_recipe(TINY_RECIPE), tmp_path / "run", {"rl": {"max_restarts": 0}}, progress=None)
+    assert plan.configs["rl"].max_restarts == 0
 
 
 def test_two_prepared_runs_differ_only_in_the_listed_volatile_fields(tmp_path):
@@ -65,7 +72,9 @@ def test_two_runs_of_the_tiny_recipe_give_equal_manifests(tmp_path):
 def test_rl_runs_a_recipe_and_runs_a_plain_config(tmp_path):
     proc = primerl("rl", str(TINY_RECIPE), "--no-check", "--run-dir", str(tmp_path / "recipe"), timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert read_manifest(tmp_path / "recipe")["recipe"]["name"] == "tiny"
+    manifest = read_manifest(tmp_path / "recipe")
+    assert manifest["recipe"]["name"] == "tiny"
+    assert manifest["stages"]["rl"]["restarts"] == 0 and manifest["stages"]["rl"]["restart_causes"] == []
     config = ROOT / "configs" / "debug" / "tiny-rl.toml"
     proc = primerl("rl", "@", str(config), "--output_dir", str(tmp_path / "plain"), "--max_steps", "1", timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -34,6 +34,7 @@ from primerl.config import ConfigError
 from primerl.launch.console import stop_quietly
 from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import Terminated, exit_with_parent, primerl_command, raise_terminated
+from primerl.launch.restart import restarts_of_run
 from primerl.recipes.manifest import MANIFEST_FILE, now, write_manifest
 from primerl.recipes.pins import format_checks
 from primerl.recipes.plan import RunPlan, plan_run, stage_overrides, start_run
@@ -57,6 +58,10 @@ def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
             code = INTERRUPTED_EXIT_CODE
         status = {0: "completed", INTERRUPTED_EXIT_CODE: "interrupted"}.get(code, "failed")
         record.update(status=status, exit_code=code, finished_at=now())
+        if stage == "rl":
+            restarts = restarts_of_run(plan.configs[stage].output_dir)
+            record.update(restarts=len(restarts), restart_causes=[
+                f"{r['process']} {r['cause']} at step {r['failed_at_step']}" for r in restarts])
         manifest["updated_at"] = now()
         write_manifest(plan.run_dir, manifest)
         if code != 0:

@@ -55,6 +55,11 @@ TEACHER_EXCLUDED = {"seed", "admin_token", "admin_token_file", "weight_transfer"
 # What `process_configs` puts in for `trainer.weights.broadcast.port = 0` when the caller names no port: validation
 # only needs some port, and must not hold one.
 _UNBOUND_PORT = 1
+# A recipe is a run meant to reach its end unattended (often for hours): its rl stage restarts a failed run up to this
+# many times. A plain config defaults to 0, since it is what one debugs with: a failure should stop at once, with the
+# failed process's log on the console, not be retried behind the user's back.
+RECIPE_MAX_RESTARTS = 3
+RECIPE_DEFAULTS = {"max_restarts": RECIPE_MAX_RESTARTS}  # a recipe's rl stage starts from these (recipes.schema)
 # The teacher's URL while it is not known (config validation, the checklist): nothing connects to it.
 _UNBOUND_TEACHER_URL = "http://127.0.0.1:0"
 
@@ -168,6 +173,15 @@ class RLConfig(ProcessConfig):
         None, description="the teacher server of orchestrator.advantage.type = 'distill' (its model.name is required)"
     )
     shutdown_grace_s: float = Field(20.0, gt=0, description="on stop, wait this long before killing a process")
+    max_restarts: int = Field(
+        0, ge=0, description="when a process dies or the run hangs, stop the rest and resume the whole run from its "
+        "last checkpoint, at most this many times (a crash loop stops sooner); 0 = stop with the error. A recipe's rl "
+        f"stage defaults to {RECIPE_MAX_RESTARTS}"
+    )
+    stall_timeout_s: float = Field(
+        600.0, ge=0, description="a run with no new metrics record for this long has hung: it is stopped (and "
+        "restarted when max_restarts allows); 0 = never"
+    )
     preload: bool = Field(
         True, description="on a CPU-only run (embedded engine, one trainer rank, Linux), the launcher imports torch and "
         "transformers once and starts the server and the trainer as forks of itself, instead of each importing them "

@@ -6,9 +6,11 @@ resolved config to `<run>/config/<process>.toml`, starts the three processes (th
 several ranks; on a CPU-only run once the server serves) with one log file each in `<run>/logs/`, then prints one line
 per trained step (orchestrator and trainer metrics side by side) under a progress bar.
 
-It stops the run when the trainer and orchestrator have finished (exit 0), when any process dies (the others are
-stopped, the tail of the failed process's log is printed, exit 1), or on Ctrl-C / SIGTERM (SIGINT to every process,
-a grace period, then SIGKILL; exit 130).
+It stops the run when the trainer and orchestrator have finished (exit 0), when any process dies or the run hangs
+(no new metrics record for `stall_timeout_s`): the others are stopped and, while `max_restarts` allows
+(`launch.restart`), the whole run resumes from its last checkpoint as `--resume` would, on one line with the cause,
+counted in metrics.jsonl; else the tail of the failed process's log is printed, exit 1. On Ctrl-C / SIGTERM: SIGINT to
+every process, a grace period, then SIGKILL; exit 130.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from primerl.launch.processes import (
     stop_all,
     torchrun_command,
 )
-from primerl.monitor import METRICS_FILE, drop_records_after
+from primerl.launch.restart import RESTART_SOURCE, Failure, Progress, RestartPolicy
+from primerl.monitor import METRICS_FILE, MetricsLogger, drop_records_after
 from primerl.ports import free_port
 from primerl.transport import checkpoints, snapshots
 from primerl.transport.weight_transfer.modes import transfer_mode
@@ -47,6 +50,7 @@ from primerl.transport.weight_transfer.modes import transfer_mode
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
+RESTARTS_LOG = "restarts.log"  # in <run>/logs: each restart's line and the failed process's last log lines
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -204,13 +208,14 @@ def forks_server_and_trainer(cfg: RLConfig, devices: DeviceAssignment, inference
             and trainer.train.threads is not None)
 
 
-def start_processes(processes: Sequence[ManagedProcess], stream) -> None:
+def start_processes(processes: Sequence[ManagedProcess], stream, preloaded: bool = False) -> bool:
     """Start `processes`: those started fresh first (the orchestrator starts at once), then, after the launcher
     preloaded what they import, the forked ones. They start fresh instead where this process had torch loaded before
     the preload (it may have run OpenMP work, converting a model on first use: GNU OpenMP's threads do not survive a
-    fork, and a child's first parallel region would wait for them), or where the preload fails (they then report the
-    error themselves)."""
-    if "torch" in sys.modules:
+    fork, and a child's first parallel region would wait for them) unless `preloaded` says the launcher's own earlier
+    preload loaded it (a restart), or where the preload fails (they then report the error themselves). Returns whether
+    the forks were started after a preload of this launcher."""
+    if "torch" in sys.modules and not preloaded:
         for p in processes:
             p.fork = False
     for p in processes:
@@ -218,7 +223,7 @@ def start_processes(processes: Sequence[ManagedProcess], stream) -> None:
             p.start()
     forked = [p for p in processes if p.fork]
     if not forked:
-        return
+        return preloaded
     try:
         preload(PRELOAD_MODULES)
     except Exception as error:  # noqa: BLE001 -- the processes import the same modules and say what is wrong
@@ -228,12 +233,14 @@ def start_processes(processes: Sequence[ManagedProcess], stream) -> None:
             p.fork = False
     for p in forked:
         p.start()
+    return all(p.fork for p in forked)
 
 
 def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     """Run `cfg` to the end; return the exit code (0 done, 1 a process failed, 2 bad setup, 130 interrupted).
 
-    `resume` overrides `cfg.resume`. Callable from Python (recipes) as well as from `rl`'s command line.
+    `resume` overrides `cfg.resume`. With `cfg.max_restarts`, a failed or hung run is restarted from its last
+    checkpoint (`RestartPolicy`). Callable from Python (recipes) as well as from `rl`'s command line.
     """
     if resume is not None and resume != cfg.resume:
         cfg = cfg.model_copy(update={"resume": resume})
@@ -253,21 +260,44 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     except LaunchError as e:
         print(f"rl: {e}", file=sys.stderr)
         return 2
-    if cfg.resume:
-        _forget_what_is_redone(run_dir, stream)
-
     print(f"rl: run {run_dir} | model {cfg.model.name} | {count(cfg.max_steps, 'step')} | max_async_steps "
           f"{cfg.max_async_steps} | logs in {run_dir / 'logs'}", file=stream, flush=True)
     print(f"rl: {describe_devices(devices, gpus, cfg.inference.engine)}", file=stream, flush=True)
     if warning := cfg.orchestrator.sampling.biased_ratio_warning():
         print(f"rl: warning: {warning}", file=stream, flush=True)
-    first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone: the checkpoint's step
-    console = Console(run_dir, cfg.max_steps, first_step, stream)
+    if cfg.max_restarts and cfg.trainer.ckpt.interval is None:
+        print(f"rl: warning: max_restarts = {cfg.max_restarts} but trainer.ckpt.interval is unset: a restart trains "
+              "again from step 0 (set trainer.ckpt.interval to resume from the last checkpoint)", file=stream,
+              flush=True)
+    policy = RestartPolicy(cfg.max_restarts)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
+    console, preloaded = None, False
     try:
-        start_processes(processes, stream)
-        return _supervise(processes, console, cfg, stream, started)
+        while True:
+            if cfg.resume:
+                _forget_what_is_redone(run_dir, stream)
+            first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone
+            console = Console(run_dir, cfg.max_steps, first_step, stream)
+            preloaded = start_processes(processes, stream, preloaded)
+            outcome = _supervise(processes, console, cfg, stream, started)
+            if isinstance(outcome, int):
+                return outcome
+            decision = policy.decide(outcome)
+            failed = next((p for p in processes if p.name == outcome.process), None)
+            if not decision.restart:
+                tail = (f"; last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None
+                        else f"; logs in {run_dir / 'logs'}")
+                print(f"rl: {decision.reason}{tail}", file=sys.stderr, flush=True)
+                return 1
+            console.close()
+            _record_restart(cfg, policy, outcome, failed)
+            cfg = cfg.model_copy(update={"resume": True})
+            try:
+                processes = build_processes(cfg, run_dir, devices, gpus)
+            except LaunchError as e:
+                print(f"rl: {e}", file=sys.stderr)
+                return 2
     except (KeyboardInterrupt, Terminated):
         stop_quietly("rl")  # a second Ctrl-C or SIGTERM while stopping: one line, no traceback
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
@@ -280,24 +310,45 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         if transfer_mode(cfg.weight_transfer).shared_memory and (left := snapshots.release_shared_buffer(run_dir)):
             print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
                   file=sys.stderr, flush=True)
-        console.close()
+        if console is not None:
+            console.close()
 
 
-def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream, started: float) -> int:
+def _record_restart(cfg: RLConfig, policy: RestartPolicy, failure: Failure, failed: ManagedProcess | None) -> None:
+    """Say why the run restarts (one line on stderr, the failed process's last log lines in the log of restarts) and
+    append a `restart` record to metrics.jsonl (source `launcher`; the manifest counts them)."""
+    run_dir = cfg.output_dir
+    resume_step = checkpoints.latest_trainer_step(run_dir)
+    line = policy.message(failure, resume_step)
+    print(f"rl: {line}", file=sys.stderr, flush=True)
+    log = run_dir / "logs" / RESTARTS_LOG
+    with open(log, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        if failed is not None:
+            f.write(f"last lines of {failed.log_path}:\n{failed.tail()}\n\n")
+    MetricsLogger(run_dir, RESTART_SOURCE).log(resume_step, {
+        "event": "restart", "restart": policy.restarts, "max_restarts": policy.max_restarts,
+        "process": failure.process, "cause": failure.cause, "failed_at_step": failure.step,
+        "resumed_from_step": resume_step,
+    })
+
+
+def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream,
+               started: float) -> int | Failure:
+    """Watch the processes until the run ends: its exit code when it finished (0), or the `Failure` of a process that
+    died or of a run that made no progress for `cfg.stall_timeout_s` (every process then stopped)."""
     by_name = {p.name: p for p in processes}
     finishers = {"orchestrator", "trainer"}  # the servers (inference, teacher) serve until the launcher stops them
+    progress = Progress(console.path)
     while True:
         console.poll()
         for p in processes:
             code = p.poll()
             if code is None or (code == 0 and p.name in finishers):
                 continue
-            others = [q for q in processes if q is not p]
-            stop_all(others, cfg.shutdown_grace_s)
+            stop_all([q for q in processes if q is not p], cfg.shutdown_grace_s)
             console.poll()
-            why = f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}"
-            print(f"rl: {p.name} {why}; last lines of {p.log_path}:\n{p.tail()}", file=sys.stderr, flush=True)
-            return 1
+            return Failure.exited(p.name, code, console.steps_done)
         if all(by_name[name].poll() == 0 for name in finishers):
             console.poll()
             stop_all([p for p in processes if p.name not in finishers], cfg.shutdown_grace_s)
@@ -307,6 +358,10 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
                   f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
             _drop_old_snapshots(cfg, stream)
             return 0
+        if cfg.stall_timeout_s and progress.idle_s() > cfg.stall_timeout_s:
+            stop_all(processes, cfg.shutdown_grace_s)
+            console.poll()
+            return Failure.stalled(cfg.stall_timeout_s, console.steps_done)
         time.sleep(POLL_S)
 
 

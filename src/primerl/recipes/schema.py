@@ -92,6 +92,14 @@ class StageKind:
         except (ImportError, AttributeError):
             raise RecipeError(f"stage '{self.name}' needs {self.config_model}, which this build does not have") from None
 
+    def recipe_defaults(self) -> dict[str, Any]:
+        """What a recipe's stage sets before its own table (`RECIPE_DEFAULTS` of the config's module, if any): where
+        a run from a recipe wants another default than a plain config (rl: `max_restarts`)."""
+        import importlib
+
+        self.load_model()
+        return dict(getattr(importlib.import_module(self.config_model.partition(":")[0]), "RECIPE_DEFAULTS", {}))
+
 
 STAGE_KINDS: dict[str, StageKind] = {
     "sft": StageKind("sft", "primerl.config.sft:SFTConfig", "sft", "run_dir", "sft"),
@@ -380,6 +388,7 @@ def stage_layers(recipe: Recipe, stage: str, run_dir: Path | None = None, smoke:
     the stage's directory set."""
     kind = STAGE_KINDS[stage]
     layers = Layers()
+    layers.merge(kind.recipe_defaults(), "recipe defaults")
     layers.merge(recipe.stages[stage], f"{recipe.path.name} [{stage}]")
     layers.origin.update(recipe.origins.get(stage, {}))
     _merge_command_line(layers, recipe.overrides.get(stage, {}), stage)

@@ -1,0 +1,107 @@
+"""Whether `rl` restarts a run after one of its processes died or hung (`RestartPolicy`), and the line it prints.
+
+A restart stops every process and resumes the whole run from its last complete checkpoint, as `--resume` does. The
+policy allows `max_restarts` restarts over the launcher's life, and stops sooner on a crash loop: the same process
+failing the same way `CRASH_LOOP_FAILURES` times with no new trained step in between, which a restart will not fix.
+It knows nothing about processes: the launcher tells it what failed (`Failure`) and acts on its `Decision`; a hang is
+seen by `Progress`, the run's heartbeat (its metrics.jsonl growing).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from primerl.monitor import read_metrics
+
+RESTART_SOURCE = "launcher"  # the `source` of the restart records in metrics.jsonl ({"event": "restart", ...})
+CRASH_LOOP_FAILURES = 3  # the same failure this many times in a row, with no new trained step: a crash loop
+STALLED = "the run"  # the `Failure.process` of a run that stopped making progress (which process hung is unknown)
+
+
+def restarts_of_run(run_dir: Path) -> list[dict]:
+    """The restart records of the run in `run_dir`, oldest first (what the manifest's `stages.rl.restarts` counts)."""
+    return [r for r in read_metrics(run_dir, RESTART_SOURCE) if r.get("event") == "restart"]
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ended an attempt: `process` (inference, orchestrator, trainer, teacher, or `STALLED`), `cause` ("exited
+    with code 1", "was killed by signal 9", "made no progress for 600s") and the last trained step when it happened."""
+
+    process: str
+    cause: str
+    step: int
+
+    @classmethod
+    def exited(cls, process: str, code: int, step: int) -> Failure:
+        return cls(process, f"exited with code {code}" if code >= 0 else f"was killed by signal {-code}", step)
+
+    @classmethod
+    def stalled(cls, seconds: float, step: int) -> Failure:
+        return cls(STALLED, f"made no progress (no new metrics record) for {seconds:.0f}s", step)
+
+    def describe(self) -> str:
+        return f"{self.process} {self.cause} at step {self.step}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    reason: str  # why the run stops (empty on a restart)
+
+
+class RestartPolicy:
+    """Counts restarts and failures in a row; `decide` says, for each failure, whether the run restarts."""
+
+    def __init__(self, max_restarts: int, crash_loop_failures: int = CRASH_LOOP_FAILURES):
+        if max_restarts < 0 or crash_loop_failures < 2:
+            raise ValueError("max_restarts must be >= 0 and crash_loop_failures >= 2")
+        self.max_restarts = max_restarts
+        self.crash_loop_failures = crash_loop_failures
+        self.restarts = 0
+        self.repeats = 0  # failures in a row equal to `last`, with no new trained step in between
+        self.last: Failure | None = None
+
+    def decide(self, failure: Failure) -> Decision:
+        """Whether to restart after `failure`; counts the restart when it says yes."""
+        same = (self.last is not None and (failure.process, failure.cause) == (self.last.process, self.last.cause)
+                and failure.step <= self.last.step)
+        self.repeats = self.repeats + 1 if same else 1
+        self.last = failure
+        if self.max_restarts == 0:
+            return Decision(False, f"{failure.describe()}; auto-restart is off (max_restarts = 0)")
+        if self.repeats >= self.crash_loop_failures:
+            return Decision(False, f"crash loop: {failure.process} {failure.cause} {self.repeats} times in a row "
+                            f"without a new trained step (at step {failure.step}); a restart will not fix it")
+        if self.restarts >= self.max_restarts:
+            return Decision(False, f"{failure.describe()}; all {self.max_restarts} restart(s) used")
+        self.restarts += 1
+        return Decision(True, "")
+
+    def message(self, failure: Failure, resume_step: int) -> str:
+        """The one line a restart prints: `restart 1/3: trainer was killed by signal 9 at step 7; resuming from step
+        6`."""
+        where = f"resuming from step {resume_step}" if resume_step else "starting again from the initial model"
+        return f"restart {self.restarts}/{self.max_restarts}: {failure.describe()}; {where}"
+
+
+class Progress:
+    """How long the run has gone without a new metrics record (metrics.jsonl has not grown): its heartbeat."""
+
+    def __init__(self, metrics: Path):
+        self.metrics = metrics
+        self.size = self._size()
+        self.since = time.monotonic()
+
+    def _size(self) -> int:
+        try:
+            return self.metrics.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def idle_s(self) -> float:
+        if (size := self._size()) != self.size:
+            self.size, self.since = size, time.monotonic()
+        return time.monotonic() - self.since
