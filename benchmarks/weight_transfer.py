@@ -65,7 +65,7 @@ SERVED = "bench"
 PROMPT = list(range(10, 26))  # 16 token ids inside the tiny tokenizer's vocabulary (the server checks them)
 GREEDY_TOKENS = 8
 
-# server log lines (primerl.inference.server, engines/hf.py, transport/broadcast.py)
+# server log lines (primerl.inference.server, engines/hf_weights.py, transport/broadcast.py)
 LOADED = re.compile(r"weights: loaded (\S+) as policy version (\d+) in ([\d.]+)s")
 COPIED = re.compile(r"weights: copied step (\d+) from the trainer's shared buffer as policy version \d+ in ([\d.]+)s")
 RECEIVED = re.compile(r"weights: received step (\d+) by broadcast: (\d+) tensors, ([\d.]+) MB in (\d+) bucket\(s\); "

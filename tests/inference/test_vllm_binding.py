@@ -277,14 +277,16 @@ def test_a_broadcast_transfer_binds(start_engine, calls):
     import torch.distributed as dist
 
     from primerl.transport import broadcast
+    from primerl.transport.broadcast_receiver import TransferFeed
+    from primerl.transport.buckets import Bucket, Manifest, TensorEntry
 
     host_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.PrefixStore(broadcast._KEY_PREFIX, host_store)
     store.set(broadcast._Keys.group_id, "group")  # what the trainer writes first
     settings = BroadcastReceiverSection(host="127.0.0.1", port=host_store.port, init_timeout_s=5, timeout_s=5)
-    feed = broadcast.TransferFeed(settings.host, settings.port, init_timeout_s=5, timeout_s=5)
+    feed = TransferFeed(settings.host, settings.port, init_timeout_s=5, timeout_s=5)
     feed.connect()
-    manifest = broadcast.Manifest((broadcast.Bucket(64, (broadcast.TensorEntry("w", "float32", (4, 4), 0),)),))
+    manifest = Manifest((Bucket(64, (TensorEntry("w", "float32", (4, 4), 0),)),))
     engine = start_engine()
 
     async def join_then_receive() -> None:

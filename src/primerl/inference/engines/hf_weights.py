@@ -18,7 +18,8 @@ import torch
 
 if TYPE_CHECKING:
     from primerl.config.inference import BroadcastReceiverSection
-    from primerl.transport.broadcast import BroadcastReceiver, Transfer
+    from primerl.transport.broadcast import Transfer
+    from primerl.transport.broadcast_receiver import BroadcastReceiver
 
 log = logging.getLogger("primerl.inference")
 
@@ -82,7 +83,7 @@ class WeightIntake:
             raise RuntimeError("engine is not running")
         if self._receiver_thread is not None:
             raise RuntimeError("the weight receiver is already running")
-        from primerl.transport.broadcast import BroadcastReceiver
+        from primerl.transport.broadcast_receiver import BroadcastReceiver
 
         receiver = BroadcastReceiver(settings.host, settings.port, device=self.device,
                                      init_timeout_s=settings.init_timeout_s, timeout_s=settings.timeout_s)

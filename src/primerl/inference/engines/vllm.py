@@ -50,7 +50,8 @@ from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams
 if TYPE_CHECKING:
     from primerl.config.common import ModelConfig
     from primerl.config.inference import BroadcastReceiverSection, VLLMSection
-    from primerl.transport.broadcast import Transfer, TransferFeed
+    from primerl.transport.broadcast import Transfer
+    from primerl.transport.broadcast_receiver import TransferFeed
 
 log = logging.getLogger("primerl.inference")
 
@@ -123,7 +124,7 @@ class WorkerExtension:
 
         import torch
 
-        from primerl.transport.broadcast import BroadcastReceiver
+        from primerl.transport.broadcast_receiver import BroadcastReceiver
 
         receiver = BroadcastReceiver(host, port, device=torch.device("cuda", torch.cuda.current_device()),
                                      init_timeout_s=init_timeout_s, timeout_s=timeout_s)
@@ -360,7 +361,7 @@ class VLLMEngine(Engine):
                                "KV connector?); cached prefixes of the old weights would be reused")
 
     async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
-        from primerl.transport.broadcast import TransferFeed
+        from primerl.transport.broadcast_receiver import TransferFeed
 
         await self._llm.collective_rpc(
             "primerl_broadcast_join", args=(settings.host, settings.port, settings.init_timeout_s, settings.timeout_s)
