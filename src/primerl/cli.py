@@ -22,7 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("primerl.commands.check", "run the validation checklist"),
     "run": ("primerl.commands.run", "run a recipe: pins, checklist, then its stages"),
     "recipe": ("primerl.commands.recipe", "recipe tools (lock)"),
-    "image": ("primerl.launch.images", "container images: build, run, inspect"),
+    "image": ("primerl.commands.image", "container images: build, run, inspect"),
     "launch": ("primerl.launch.command", "run a recipe on SSH hosts or as a Slurm job"),
     "plot": ("primerl.monitor", "write PNG plots of a run directory's metrics"),
     "models": ("primerl.models", "model registry: list, prepare the embedded model"),
