@@ -42,6 +42,8 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from primerl.storage import fsync_path
+
 FORMAT_VERSION = 2
 ROLLOUTS_DIR = "rollouts"
 META_FILE = "meta.json"
@@ -312,12 +314,12 @@ def write_batch(
         for rank, part in enumerate(parts):
             save_file(part, str(tmp / f"rank_{rank}.safetensors"), metadata={"step": str(step), "rank": str(rank)})
         (tmp / META_FILE).write_text(json.dumps(meta))
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     return final
 
 
@@ -372,10 +374,3 @@ def wait_for_batch(
         time.sleep(poll_interval_s)
     return path, time.monotonic() - start
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

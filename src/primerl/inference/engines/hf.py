@@ -29,7 +29,7 @@ from typing import Any, Literal
 import torch
 
 from primerl.cpu import keeps_freed_memory
-from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams
+from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, check_prompt
 from primerl.inference.engines.decoders import Decoder, ReferenceDecoder
 from primerl.inference.engines.hf_rows import Chunk, Request, Rows
 from primerl.inference.engines.hf_weights import WeightIntake
@@ -194,13 +194,7 @@ class HFEngine(WeightIntake, Rows, Engine):
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
         if not self.healthy():
             raise RuntimeError(f"engine is not running{f': {self._error!r}' if self._error else ''}")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} leaves no "
-                "room for a completion"
-            )
+        check_prompt(prompt_ids, self.max_model_len)
         if request_id in self._in_flight:
             raise ValueError(f"request id {request_id!r} is already in flight")
         stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from primerl.inference.engines import vllm_compat
-from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
+from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent, check_prompt
 from primerl.inference.engines.vllm_worker import WorkerExtension
 
 if TYPE_CHECKING:
@@ -166,13 +166,7 @@ class VLLMEngine(Engine):
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
         if not self.healthy():
             raise RuntimeError("engine is not running")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} leaves no room for a "
-                "completion"
-            )
+        check_prompt(prompt_ids, self.max_model_len)
         return self._stream(list(prompt_ids), params, request_id)
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
