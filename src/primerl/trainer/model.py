@@ -1,15 +1,15 @@
 """The policy being trained: a Hugging Face causal LM on packed rows, with a fused, chunked log-prob head.
 
-Contract: `Policy.forward(input_ids, position_ids, sample_index, temperature, parent_index, wanted)` takes packed
-rows [rows, seq_len] (DESIGN §3.3; `sample_index` -1 on padding) and returns, per token t, the log-prob of
-`input_ids[t]` given the tokens of its own sample before it, and the entropy of that next-token distribution (both 0
-at the first token of a sample, and wherever `wanted` is False: only the tokens a loss reads pay for the head).
-Attention never crosses samples: the backend gets a block-diagonal causal mask (flex / sdpa) or restarting position
-ids (flash-attn varlen). A segment with a `parent_index` (a group's own tokens after a prompt laid out once, see
-`primerl.transport.rollouts`) also sees its parent segment, and its first token is predicted from the parent's last
-one; only the mask-based backends (sdpa, flex, eager) can express that (`primerl.trainer.attention`). The [tokens,
-vocab] logits are never held in full: `primerl.trainer.logprobs.fused_logprobs` works in chunks of `chunk_tokens` rows
-and recomputes each chunk's logits in backward.
+Contract: `Policy.forward(input_ids, position_ids, sample_index, temperature, parent_index, wanted)` takes packed rows
+[rows, seq_len] (docs/trainer.md, "Batches"; `sample_index` -1 on padding) and returns, per token t, the log-prob of
+`input_ids[t]` given the tokens of its own sample before it, and the entropy of that next-token distribution (both 0 at
+the first token of a sample, and wherever `wanted` is False: only the tokens a loss reads pay for the head). Attention
+never crosses samples: the backend gets a block-diagonal causal mask (flex / sdpa) or restarting position ids
+(flash-attn varlen). A segment with a `parent_index` (a group's own tokens after a prompt laid out once, see
+`primerl.transport.rollouts`) also sees its parent segment, and its first token is predicted from the parent's last one;
+only the mask-based backends (sdpa, flex, eager) can express that (`primerl.trainer.attention`). The [tokens, vocab]
+logits are never held in full: `primerl.trainer.logprobs.fused_logprobs` works in chunks of `chunk_tokens` rows and
+recomputes each chunk's logits in backward.
 
 Precision: parameters and AdamW states stay float32 (master weights); compute runs in `compute_dtype` (bfloat16 on
 GPU) through FSDP2's mixed-precision policy when sharded, through autocast otherwise.

@@ -1,4 +1,5 @@
-"""The training batch on disk: the orchestrator writes `<run>/rollouts/step_<n>/`, the trainer reads it (DESIGN §3.3).
+"""The training batch on disk: the orchestrator writes `<run>/rollouts/step_<n>/`, the trainer reads it
+(docs/trainer.md, "Batches").
 
 Contract, in four lines:
 - A *sample* is one token sequence (prompt + completion, possibly several turns) with per-token `loss_mask` (1 on
@@ -13,7 +14,8 @@ Contract, in four lines:
   atomically: everything is written under a temporary name, then the directory is renamed to `step_<n>`.
 
 Step numbering (docs/trainer.md): `rollouts/step_<n>` is the batch the trainer consumes when it holds policy version
-n (the weights after n optimizer steps); it must come from policy version >= n - max_async_steps (DESIGN §3.4).
+n (the weights after n optimizer steps); it must come from policy version >= n - max_async_steps (docs/rl.md, "The
+async rule").
 Training on it produces policy version n + 1, published as `weights/step_<n+1>`.
 
 Layout of `rollouts/step_<n>/`:

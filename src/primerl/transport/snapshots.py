@@ -1,4 +1,5 @@
-"""Weight snapshots on disk: the trainer publishes `<run>/weights/step_<k>/`, inference loads it (DESIGN §3.2).
+"""Weight snapshots on disk: the trainer publishes `<run>/weights/step_<k>/`, inference loads it (docs/rl.md, "The
+run directory").
 
 Contract:
 - `weights/step_<k>/` holds policy version k, the weights after k optimizer steps, as a Hugging Face model directory:
@@ -157,7 +158,6 @@ def remove_after(run_dir: str | os.PathLike, step: int) -> list[int]:
         (path / STABLE).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return doomed
-
 
 
 def shared_segment_dir(run_dir: str | os.PathLike) -> Path:
