@@ -115,7 +115,7 @@ check)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
     python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)' \
         | tee -a "$out/gpu.txt"
-    run selfcheck 90 python3 -m primerl.inference.engines.llama cuda
+    run selfcheck 90 python3 -m primerl.inference.engines.llama_check cuda
     run p3_smollm2 110 python3 benchmarks/engine.py --random-init --arch smollm2-135m --repeats 2 \
         --decode-steps 1,8,16 --out "$out/p3_smollm2.json"
     run p3_qwen3 110 python3 benchmarks/engine.py --random-init --arch qwen3-0.6b --repeats 2 \
@@ -151,7 +151,7 @@ p1)  # P1 alone: P1_ROUNDS alternating primerl/TRL pairs (default 2), with every
     if [ -n "${P1_P3_AFTER:-}" ]; then  # then the compiled decode step: P3 of SmolLM2, its self-check, P3 of Qwen3
         TORCH_LOGS=recompiles run p3_smollm2-135m_compile "$P1_P3_AFTER" python3 benchmarks/engine.py --random-init \
             --arch smollm2-135m --repeats 1 --decode-steps 8 --compile --out "$out/p3_smollm2-135m_compile.json"
-        run selfcheck 60 python3 -m primerl.inference.engines.llama cuda --compile
+        run selfcheck 60 python3 -m primerl.inference.engines.llama_check cuda --compile
         TORCH_LOGS=recompiles run p3_qwen3-0.6b_compile "$P1_P3_AFTER" python3 benchmarks/engine.py --random-init \
             --arch qwen3-0.6b --repeats 1 --decode-steps 8 --compile --out "$out/p3_qwen3-0.6b_compile.json"
     fi

@@ -65,7 +65,7 @@ SERVED = "bench"
 PROMPT = list(range(10, 26))  # 16 token ids inside the tiny tokenizer's vocabulary (the server checks them)
 GREEDY_TOKENS = 8
 
-# server log lines (primerl.inference.server, engines/hf.py, transport/broadcast.py)
+# server log lines (primerl.inference.server, engines/hf_weights.py, transport/broadcast.py)
 LOADED = re.compile(r"weights: loaded (\S+) as policy version (\d+) in ([\d.]+)s")
 COPIED = re.compile(r"weights: copied step (\d+) from the trainer's shared buffer as policy version \d+ in ([\d.]+)s")
 RECEIVED = re.compile(r"weights: received step (\d+) by broadcast: (\d+) tensors, ([\d.]+) MB in (\d+) bucket\(s\); "
@@ -112,7 +112,7 @@ def run_child(args: argparse.Namespace) -> int:
     from primerl.transport import snapshots
     from primerl.transport.broadcast import _device_label
     from primerl.transport.weight_transfer.factory import build_publisher
-    from primerl.transport.weight_transfer.modes import transfer_mode
+    from primerl.transport.weight_transfer.modes import FILESYSTEM, transfer_mode
 
     setup_logging(0, "bench-trainer")
     deadline = time.monotonic() + args.timeout_s
@@ -177,7 +177,7 @@ def run_child(args: argparse.Namespace) -> int:
         result["initial_request"] = initial
         save()
 
-        if spec.transfer != "filesystem":  # the publisher of the mode, (re)built once the server is healthy
+        if transfer_mode(spec.transfer) is not FILESYSTEM:  # the publisher of the mode, (re)built once the server is healthy
             group = BroadcastConfig(host="127.0.0.1", port=store_port, receivers=1, backend=spec.backend,
                                     init_timeout_s=spec.sender_init_timeout_s, timeout_s=spec.timeout_s
                                     ) if transfer_mode(spec.transfer).weight_group else BroadcastConfig()
@@ -227,6 +227,7 @@ def run_child(args: argparse.Namespace) -> int:
             greedy = _greedy(http)
             answer = [greedy["token_ids"], greedy["first_logprobs"]]
             marker = snapshots.marker(path, snapshots.BROADCAST)
+            mode = transfer_mode(spec.transfer)
             record = {
                 "step": step,
                 "e2e_s": t_served - t0,
@@ -234,7 +235,7 @@ def run_child(args: argparse.Namespace) -> int:
                 "update_request_s": t_served - t_published,
                 "server_policy_version": state["policy_version"],
                 "weight_transfer": metrics.get("weight_transfer"),
-                "backend": marker.get("backend") if marker else "shared" if spec.transfer == "shared" else "filesystem",
+                "backend": marker.get("backend") if marker else mode.name if mode.shared_memory else FILESYSTEM.name,
                 "has_files": snapshots.has_files(path),
                 **{k: metrics[k] for k in ("weights_export_s", "weights_broadcast_s", "weights_broadcast_bytes",
                                            "weights_broadcast_buckets", "weights_shared_s", "weights_shared_wait_s")

@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("primerl.commands.run", "run a recipe: pins, checklist, then its stages"),
     "recipe": ("primerl.commands.recipe", "recipe tools: lock (write the pins), verify (pins vs this machine), diff (two runs' manifests)"),
     "reproduce": ("primerl.commands.reproduce", "replay a finished recipe run's first steps and compare them"),
-    "image": ("primerl.launch.images", "container images: build, run, inspect"),
+    "image": ("primerl.commands.image", "container images: build, run, inspect"),
     "launch": ("primerl.launch.command", "run a recipe on SSH hosts or as a Slurm job"),
     "plot": ("primerl.monitor", "write PNG plots of a run directory's metrics"),
     "models": ("primerl.models", "model registry: list, prepare the embedded model"),

@@ -1,9 +1,11 @@
-"""Failures of the storage a run writes to, told in one line."""
+"""The storage a run writes to: its failures, told in one line, and flushing what was written to it."""
 
 from __future__ import annotations
 
 import errno
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
                   errno.EROFS: "the filesystem is read-only"}
@@ -28,3 +30,12 @@ def _causes(error: BaseException | None, depth: int = 0) -> Iterator[BaseExcepti
     for wrapped in getattr(error, "failures", {}).values() if isinstance(getattr(error, "failures", None), dict) else ():
         yield from _causes(wrapped[0] if isinstance(wrapped, tuple) else wrapped, depth + 1)
     yield from _causes(error.__cause__ or error.__context__, depth + 1)
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename inside it), to the device."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

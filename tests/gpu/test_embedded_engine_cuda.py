@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 @pytest.mark.parametrize("compile", [False, True], ids=["graphs", "compiled-graphs"])
 def test_fast_decoder_self_check_on_cuda(compile: bool):
-    from primerl.inference.engines.llama import self_check
+    from primerl.inference.engines.llama_check import self_check
 
     self_check("tiny", device="cuda", compile=compile)
 

@@ -307,7 +307,7 @@ def tiny_qwen3_dir(tiny_model_dir: Path, tmp_path_factory) -> Path:
 @pytest.mark.parametrize("model_dir", ["tiny_model_dir", "tiny_qwen3_dir"])
 def test_fast_decoder_self_check(model_dir, request):
     """The module's own check: greedy rows of different lengths, one retired mid-way, equal the uncached forward."""
-    from primerl.inference.engines.llama import self_check
+    from primerl.inference.engines.llama_check import self_check
 
     self_check(str(request.getfixturevalue(model_dir)), device="cpu")
 
@@ -360,7 +360,7 @@ def test_fast_decoder_self_check_compiled(tiny_qwen3_dir, inductor_cpu):
     """The same check through the compiled decode layer (`inference.compile`; here inductor's CPU code): one compile
     serves every layer and shape (q/k norms included), and its greedy tokens equal the uncached forward's. Skipped,
     with the reason, where torch cannot build CPU code (e.g. no setuptools in the environment)."""
-    from primerl.inference.engines.llama import self_check
+    from primerl.inference.engines.llama_check import self_check
 
     self_check(str(tiny_qwen3_dir), device="cpu", compile=True)
 

@@ -13,7 +13,8 @@ from openai import OpenAI
 from server_process import start_server
 
 from primerl.transport import snapshots
-from primerl.transport.broadcast import BroadcastSender, TensorSpec, WeightTransferError, plan_buckets
+from primerl.transport.broadcast import BroadcastSender, WeightTransferError
+from primerl.transport.buckets import TensorSpec, plan_buckets
 
 HELLO = [{"role": "user", "content": "Say something."}]
 

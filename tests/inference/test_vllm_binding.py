@@ -38,6 +38,7 @@ from primerl.config.inference import BroadcastReceiverSection, VLLMSection
 from primerl.inference.engines import vllm as adapter
 from primerl.inference.engines import vllm_compat
 from primerl.inference.engines.base import Finish, SamplingParams, TokenEvent
+from primerl.inference.engines.vllm_worker import WorkerExtension
 
 Call = tuple[str, tuple, dict]
 
@@ -157,7 +158,7 @@ def start_engine(api, calls, rpc_results, outputs, tiny_model_dir, monkeypatch):
     from vllm.v1.worker.gpu_worker import Worker
 
     def collective_rpc(method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None):
-        bind(adapter.WorkerExtension, method, args, kwargs or {})
+        bind(WorkerExtension, method, args, kwargs or {})
         return [rpc_results[method]]
 
     model_config = Standin(VLLMModelConfig, calls, max_model_len=64, dtype="torch.float32",
@@ -166,7 +167,7 @@ def start_engine(api, calls, rpc_results, outputs, tiny_model_dir, monkeypatch):
                   model_config=model_config, errored=False)
     llm_class = Standin(api.AsyncLLM, calls, {"from_engine_args": lambda *a, **k: llm})
     monkeypatch.setattr(adapter, "vllm_api", lambda: api._replace(AsyncLLM=llm_class))
-    clashes = [name for name in dir(adapter.WorkerExtension) if not name.startswith("__") and hasattr(Worker, name)]
+    clashes = [name for name in dir(WorkerExtension) if not name.startswith("__") and hasattr(Worker, name)]
     assert not clashes, f"vLLM's worker already has {clashes}: it would refuse the extension"
 
     def start(sleep_level: int = 0) -> adapter.VLLMEngine:
@@ -197,7 +198,7 @@ def test_engine_args_are_fields_of_async_engine_args_with_values_their_types_acc
     assert not rejected, f"values vllm {version} does not accept: {rejected}"
     api.AsyncEngineArgs(**arguments)
     module, _, name = arguments["worker_extension_cls"].rpartition(".")
-    assert getattr(importlib.import_module(module), name) is adapter.WorkerExtension
+    assert getattr(importlib.import_module(module), name) is WorkerExtension
 
 
 def test_start_builds_the_engine_from_real_engine_args(api, start_engine, calls):
@@ -277,14 +278,16 @@ def test_a_broadcast_transfer_binds(start_engine, calls):
     import torch.distributed as dist
 
     from primerl.transport import broadcast
+    from primerl.transport.broadcast_receiver import TransferFeed
+    from primerl.transport.buckets import Bucket, Manifest, TensorEntry
 
     host_store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     store = dist.PrefixStore(broadcast._KEY_PREFIX, host_store)
     store.set(broadcast._Keys.group_id, "group")  # what the trainer writes first
     settings = BroadcastReceiverSection(host="127.0.0.1", port=host_store.port, init_timeout_s=5, timeout_s=5)
-    feed = broadcast.TransferFeed(settings.host, settings.port, init_timeout_s=5, timeout_s=5)
+    feed = TransferFeed(settings.host, settings.port, init_timeout_s=5, timeout_s=5)
     feed.connect()
-    manifest = broadcast.Manifest((broadcast.Bucket(64, (broadcast.TensorEntry("w", "float32", (4, 4), 0),)),))
+    manifest = Manifest((Bucket(64, (TensorEntry("w", "float32", (4, 4), 0),)),))
     engine = start_engine()
 
     async def join_then_receive() -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from primerl.launch.images import VARIANTS, dockerfile_args, gpu_requests, main
+from primerl.commands.image import main
+from primerl.launch.images import VARIANTS, dockerfile_args, gpu_requests
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,9 +6,11 @@ import torch
 
 from primerl.config.common import ModelConfig
 from primerl.config.trainer import LoraConfig, TrainingConfig
-from primerl.trainer import model
+from primerl.trainer import logprobs, model
+from primerl.trainer.attention import packed_attention_mask
 from primerl.trainer.dist import DistInfo
-from primerl.trainer.model import bucket_rows, build_policy, fused_logprobs, packed_attention_mask
+from primerl.trainer.logprobs import bucket_rows, fused_logprobs
+from primerl.trainer.model import build_policy
 from primerl.transport.rollouts import Sample, pack_samples
 
 
@@ -72,9 +74,9 @@ def test_block_diagonal_mask():
 @pytest.mark.parametrize("chunk", [1, 4, 100])
 def test_fused_logprobs_value_and_gradient(chunk, path, monkeypatch):
     if path == "recomputed":  # more rows than forward keeps the probabilities of: backward recomputes the logits
-        monkeypatch.setattr(model, "KEEP_PROBS_BYTES", 0)
+        monkeypatch.setattr(logprobs, "KEEP_PROBS_BYTES", 0)
     if path == "padded-chunks":  # what the GPU path does around its compiled kernels: chunks padded to bucket sizes
-        monkeypatch.setattr(model, "_kernel", lambda name, fn, device: lambda *args: fn(*args))
+        monkeypatch.setattr(logprobs, "_kernel", lambda name, fn, device: lambda *args: fn(*args))
     g = torch.Generator().manual_seed(1)
     h = torch.randn(13, 8, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
@@ -138,10 +140,10 @@ def test_compiled_head_compiles_a_few_shapes_whatever_the_token_count(monkeypatc
     def counting_kernel(name, fn, device):
         if name not in counters:
             counters[name] = CompileCounter()
-            model._compiled[f"count-{name}"] = torch.compile(fn, backend=counters[name], dynamic=False)
-        return model._compiled[f"count-{name}"]
+            logprobs._compiled[f"count-{name}"] = torch.compile(fn, backend=counters[name], dynamic=False)
+        return logprobs._compiled[f"count-{name}"]
 
-    monkeypatch.setattr(model, "_kernel", counting_kernel)
+    monkeypatch.setattr(logprobs, "_kernel", counting_kernel)
     torch._dynamo.reset()
     g = torch.Generator().manual_seed(0)
     w = torch.randn(11, 8, generator=g, requires_grad=True)
@@ -193,7 +195,7 @@ def test_shared_prompt_logprobs_and_gradients_equal_plain_packing(attention):
 
 
 def test_shared_prompt_mask_and_predecessors():
-    from primerl.trainer.model import predecessor_positions
+    from primerl.trainer.attention import predecessor_positions
 
     index = torch.tensor([[2, 2, 0, 0, 1, -1]])  # prompt segment 2, then samples 0 and 1 continuing it
     parent = torch.tensor([[-1, -1, 2, 2, 2, -1]])

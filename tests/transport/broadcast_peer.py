@@ -14,7 +14,8 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from primerl.transport.broadcast import BroadcastReceiver, GroupClosed
+from primerl.transport.broadcast import GroupClosed
+from primerl.transport.broadcast_receiver import BroadcastReceiver
 
 
 def main() -> int:

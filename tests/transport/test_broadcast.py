@@ -22,18 +22,8 @@ from primerl.config import load
 from primerl.config.trainer import TrainerConfig
 from primerl.trainer.rl import train
 from primerl.transport import snapshots
-from primerl.transport.broadcast import (
-    ALIGN_BYTES,
-    BroadcastSender,
-    GroupFormationError,
-    Manifest,
-    TensorSpec,
-    TransferStats,
-    WeightTransferError,
-    pack_bucket,
-    plan_buckets,
-    unpack_bucket,
-)
+from primerl.transport.broadcast import BroadcastSender, GroupFormationError, TransferStats, WeightTransferError
+from primerl.transport.buckets import ALIGN_BYTES, Manifest, TensorSpec, pack_bucket, plan_buckets, unpack_bucket
 
 PEER = Path(__file__).with_name("broadcast_peer.py")
 

@@ -1,5 +1,5 @@
-"""The async rule (DESIGN §3.4) as arithmetic: which steps the policy inference holds may generate for, how many
-groups may be in flight, and which finished samples are too old to train on.
+"""The async rule (docs/rl.md, "The async rule") as arithmetic: which steps the policy inference holds may generate
+for, how many groups may be in flight, and which finished samples are too old to train on.
 
 Step numbering: `rollouts/step_<n>` is trained on by the trainer holding policy version n (n optimizer steps done), so
 with `max_async_steps = A`:

@@ -23,7 +23,7 @@ from primerl.trainer import dist as tdist
 from primerl.trainer.dist import DistInfo
 from primerl.trainer.model import Policy
 from primerl.transport import snapshots
-from primerl.transport.broadcast import TensorSpec, dtype_name
+from primerl.transport.buckets import TensorSpec, dtype_name
 
 POLICY_PREFIX = "lm."
 PEFT_PREFIX = "base_model.model."

@@ -1,2 +1,3 @@
-"""Hand-over formats between processes through the run directory (DESIGN §3.2): rollout batches (orchestrator →
-trainer) and weight snapshots (trainer → inference). Torch-free: numpy, safetensors.numpy and JSON only."""
+"""Hand-over formats between processes through the run directory (docs/rl.md, "The run directory"): rollout batches
+(orchestrator → trainer) and weight snapshots (trainer → inference). Torch-free: numpy, safetensors.numpy and JSON
+only."""

@@ -6,16 +6,15 @@ Contract (docs/weights.md has the whole story):
   is the sender; ranks 1..N are receivers (one per inference process, or one per vLLM worker), which claim their rank
   from the store. Formation that fails (nobody joins within `init_timeout_s`, port in use, ...) raises
   `GroupFormationError`, which callers turn into a fallback to the filesystem.
-- A transfer moves named tensors packed into byte buckets (`plan_buckets`): each bucket is one contiguous uint8 buffer
-  of at most `bucket_bytes` (a larger tensor travels alone), tensors at 64-byte aligned offsets, in the sender's order.
-  The `Manifest` (names, dtypes, shapes, offsets per bucket) lets a receiver rebuild every tensor as a view.
+- A transfer moves named tensors packed into byte buckets (`primerl.transport.buckets`), described by a `Manifest`.
 - Every transfer starts with a handshake through the store, so nothing ever waits in a collective for a peer that is
   not coming: the sender announces (seq, step, manifest); each receiver checks the manifest and answers `ready` (or
   an error); the sender waits for all answers at most `timeout_s`, then says `go` (or `abort`) and broadcasts the
   buckets; each receiver answers `done` once the weights are applied. Anything missing raises `WeightTransferError`
   naming what did not arrive and how long the sender waited. The collectives themselves time out after `timeout_s`.
 
-Imported by trainer and inference code and the weight-transfer component (it imports torch);
+This module holds the errors, the store layout, the process group and the sender; the receivers are in
+`primerl.transport.broadcast_receiver`. Imported by trainer and inference code and the weight-transfer component (it imports torch);
 `primerl.transport.snapshots` stays torch-free.
 """
 
@@ -28,21 +27,20 @@ import os
 import secrets
 import socket
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, NoReturn
+from typing import Any, Literal, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from primerl.multicast import multicast_off
+from primerl.transport.buckets import Manifest, pack_bucket
 
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "nccl", "gloo"]
-ALIGN_BYTES = 64  # tensor offsets inside a bucket: enough for any dtype view and for vectorised copies
 SENDER_RANK = 0
 _POLL_S = 0.02  # handshake waits
 _IDLE_POLL_S = 0.1  # a receiver waiting for the next announcement
@@ -60,147 +58,6 @@ class WeightTransferError(RuntimeError):
 class GroupClosed(WeightTransferError):
     """The sender closed the group (run over, or it fell back to the filesystem)."""
 
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Buckets and the manifest
-
-
-class TensorSpec(NamedTuple):
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """Where one tensor lives in its bucket."""
-
-    name: str
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
-    shape: tuple[int, ...]
-    offset: int  # bytes from the start of the bucket
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return dtype_from_name(self.dtype)
-
-    @property
-    def num_bytes(self) -> int:
-        return _numel(self.shape) * self.torch_dtype.itemsize
-
-
-@dataclass(frozen=True)
-class Bucket:
-    num_bytes: int
-    tensors: tuple[TensorEntry, ...]
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """What a transfer carries, bucket by bucket, in send order."""
-
-    buckets: tuple[Bucket, ...]
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.num_bytes for b in self.buckets)
-
-    @property
-    def num_tensors(self) -> int:
-        return sum(len(b.tensors) for b in self.buckets)
-
-    def entries(self) -> Iterator[TensorEntry]:
-        for bucket in self.buckets:
-            yield from bucket.tensors
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {e.name: e.shape for e in self.entries()}
-
-    def summary(self) -> dict[str, Any]:
-        dtypes: dict[str, int] = {}
-        for entry in self.entries():
-            dtypes[entry.dtype] = dtypes.get(entry.dtype, 0) + 1
-        return {"num_tensors": self.num_tensors, "num_bytes": self.num_bytes, "num_buckets": len(self.buckets),
-                "dtypes": dict(sorted(dtypes.items()))}
-
-    def to_json(self) -> str:
-        buckets = [{"num_bytes": b.num_bytes, "tensors": [[e.name, e.dtype, list(e.shape), e.offset] for e in b.tensors]}
-                   for b in self.buckets]
-        return json.dumps({"buckets": buckets}, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> Manifest:
-        data = json.loads(text)
-        return cls(tuple(
-            Bucket(b["num_bytes"], tuple(TensorEntry(n, d, tuple(s), o) for n, d, s, o in b["tensors"]))
-            for b in data["buckets"]
-        ))
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")  # noqa: TRY004 - a bad value in a manifest, not a type error
-    return dtype
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def plan_buckets(specs: Iterable[TensorSpec], bucket_bytes: int) -> Manifest:
-    """Pack tensors, in the given order, into buckets of at most `bucket_bytes` (a bigger tensor gets a bucket of its
-    own). The result depends only on the specs, so sender and receivers agree on every offset."""
-    if bucket_bytes < 1:
-        raise ValueError("bucket_bytes must be positive")
-    buckets: list[Bucket] = []
-    current: list[TensorEntry] = []
-    used = 0
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name in seen:
-            raise ValueError(f"tensor {spec.name!r} appears twice")
-        seen.add(spec.name)
-        size = _numel(spec.shape) * spec.dtype.itemsize
-        offset = _align(used)
-        if current and offset + size > bucket_bytes:
-            buckets.append(Bucket(used, tuple(current)))
-            current, used, offset = [], 0, 0
-        current.append(TensorEntry(spec.name, dtype_name(spec.dtype), tuple(int(d) for d in spec.shape), offset))
-        used = offset + size
-    if current:
-        buckets.append(Bucket(used, tuple(current)))
-    return Manifest(tuple(buckets))
-
-
-def pack_bucket(bucket: Bucket, tensors: Sequence[Tensor], out: Tensor) -> None:
-    """Copy `tensors` (in the bucket's order; cast and moved as needed) into the uint8 buffer `out`."""
-    if len(tensors) != len(bucket.tensors):
-        raise ValueError(f"bucket holds {len(bucket.tensors)} tensors, got {len(tensors)}")
-    for entry, tensor in zip(bucket.tensors, tensors, strict=True):
-        if tuple(tensor.shape) != entry.shape:
-            raise ValueError(f"{entry.name}: shape {tuple(tensor.shape)}, manifest says {entry.shape}")
-        _view(out, entry).copy_(tensor)
-
-
-def unpack_bucket(bucket: Bucket, buffer: Tensor) -> list[tuple[str, Tensor]]:
-    """The named tensors of a received bucket, as views into `buffer`."""
-    return [(entry.name, _view(buffer, entry)) for entry in bucket.tensors]
-
-
-def _view(buffer: Tensor, entry: TensorEntry) -> Tensor:
-    return buffer[entry.offset : entry.offset + entry.num_bytes].view(entry.torch_dtype).view(entry.shape)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _align(n: int) -> int:
-    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -517,197 +374,3 @@ def _transfer_keys(seq: int, ranks: Sequence[int]) -> list[str]:
     for r in ranks:
         keys += [_Keys.transfer(seq, "ready", r), _Keys.transfer(seq, "done", r)]
     return keys
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Receivers
-
-
-class TransferFeed:
-    """A store client that follows the sender's announcements and answers for receiver ranks. A receiver process
-    uses it through `BroadcastReceiver`; a vLLM server process (whose ranks live in its workers) uses it directly to
-    learn when to make the workers receive, and to confirm for them."""
-
-    def __init__(self, host: str, port: int, *, init_timeout_s: float = 600.0, timeout_s: float = 120.0):
-        self.host, self.port = host, port
-        self.init_timeout_s, self.timeout_s = init_timeout_s, timeout_s
-        self._store: dist.Store | None = None
-        self.next_seq = 1
-
-    def connect(self) -> dist.Store:
-        if self._store is None:
-            try:
-                self._store = _store(self.host, self.port, is_master=False, timeout_s=self.init_timeout_s)
-                self._store.get(_Keys.group_id)  # the sender writes it first thing
-            except Exception as e:  # noqa: BLE001
-                self._store = None
-                raise GroupFormationError(f"no weight store at {self.host}:{self.port} within "
-                                          f"{self.init_timeout_s:g}s ({_short(e)}); is the trainer running with "
-                                          "weights.transfer = broadcast?") from None
-            self._store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
-        return self._store
-
-    @property
-    def store(self) -> dist.Store:
-        if self._store is None:
-            raise RuntimeError("not connected")
-        return self._store
-
-    def closed_reason(self) -> str | None:
-        try:
-            if self.store.check([_Keys.closed]):
-                return _get(self.store, _Keys.closed)
-        except Exception as e:  # noqa: BLE001 - the sender (and with it the store) is gone
-            return f"the weight store went away ({_short(e)})"
-        return None
-
-    def next_transfer(self, timeout_s: float) -> Transfer | None:
-        """The next announced transfer, or None if none came within `timeout_s`. Raises GroupClosed once the sender
-        has closed the group or gone away."""
-        key = _Keys.transfer(self.next_seq, "announce")
-        missing = _wait_keys(self.store, [key], timeout_s, stop=self.closed_reason, poll_s=_IDLE_POLL_S)
-        if missing:
-            if (reason := self.closed_reason()) is not None:
-                raise GroupClosed(reason)
-            return None
-        data = json.loads(_get(self.store, key))
-        transfer = Transfer(self.next_seq, data["step"], data["transfer_id"],
-                            Manifest.from_json(json.dumps(data["manifest"])))
-        self.next_seq += 1
-        return transfer
-
-    def answer(self, transfer: Transfer, what: Literal["ready", "done"], rank: int, error: str | None = None) -> None:
-        try:
-            self.store.set(_Keys.transfer(transfer.seq, what, rank), "ok" if error is None else f"error: {error}")
-        except Exception as e:  # noqa: BLE001
-            raise GroupClosed(f"the weight store went away ({_short(e)})") from None
-
-    def close(self) -> None:
-        self._store = None
-
-
-class WeightReceiver(ABC):
-    """The receiving end of a weight transfer, as an engine uses it (the embedded engine in its receiver thread, the
-    vLLM worker extension in each worker):
-
-        rank = receiver.join()                          # once; GroupFormationError if the group does not form
-        while True:
-            transfer = receiver.next_transfer(1.0)      # None: nothing yet; GroupClosed: the sender is done
-            for name, tensor in receiver.receive(transfer, check):   # check(manifest) may refuse it
-                ...                                     # apply or stage; views stay valid while referenced
-            receiver.finish(transfer, error=None)       # after applying: the sender waits for this
-        receiver.close()
-    """
-
-    @abstractmethod
-    def join(self) -> int:
-        """Join the group; return this receiver's rank."""
-
-    @abstractmethod
-    def next_transfer(self, timeout_s: float) -> Transfer | None:
-        """The next announced transfer, None after `timeout_s` without one."""
-
-    @abstractmethod
-    def receive(self, transfer: Transfer, check: Callable[[Manifest], None] | None = None
-                ) -> Iterator[tuple[str, Tensor]]:
-        """Answer `ready` (or the error `check` raised), then yield every named tensor of the transfer, bucket by
-        bucket. Raises WeightTransferError when the sender aborts or the collective fails."""
-
-    @abstractmethod
-    def finish(self, transfer: Transfer, error: str | None = None) -> None:
-        """Confirm that the weights are applied (or say why not)."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Leave the group."""
-
-
-class BroadcastReceiver(WeightReceiver):
-    """One receiver rank: claims its rank in the store, joins the process group, receives buckets into buffers on
-    `device` (the engine's device with NCCL, the CPU with gloo)."""
-
-    def __init__(self, host: str, port: int, *, device: torch.device | str = "cpu", init_timeout_s: float = 600.0,
-                 timeout_s: float = 120.0):
-        self.feed = TransferFeed(host, port, init_timeout_s=init_timeout_s, timeout_s=timeout_s)
-        self.device = torch.device(device)
-        self.timeout_s = timeout_s
-        self.rank: int | None = None
-        self.world_size: int | None = None
-        self.backend: str | None = None
-        self._group = None
-
-    def join(self) -> int:
-        feed = self.feed
-        store = feed.connect()
-        world_size = int(_get(store, _Keys.world_size))
-        rank = int(store.add(_Keys.ranks, 1))
-        if rank >= world_size:
-            raise GroupFormationError(f"the weight group at {feed.host}:{feed.port} expects {world_size - 1} "
-                                      f"receiver(s) and all have joined (weights.broadcast.receivers on the trainer)")
-        store.set(_Keys.joined(rank), json.dumps({"device": _device_label(self.device), "host": socket.gethostname(),
-                                                  "pid": os.getpid()}))
-        missing = _wait_keys(store, [_Keys.backend], feed.init_timeout_s)
-        if missing:
-            raise GroupFormationError(f"the trainer did not finish forming the weight group within "
-                                      f"{feed.init_timeout_s:g}s")
-        backend = _get(store, _Keys.backend)
-        if backend.startswith("error: "):
-            raise GroupFormationError(backend.removeprefix("error: "))
-        try:
-            if backend == "nccl":
-                if self.device.type != "cuda":
-                    raise GroupFormationError("backend nccl but this receiver is not on a GPU")
-                torch.cuda.set_device(self.device)
-            self._group = _process_group(backend, store, rank, world_size, self.timeout_s, feed.host)
-            token = torch.zeros(1, dtype=torch.int64, device=_buffer_device(backend, self.device))
-            _broadcast(self._group, token, self.timeout_s)
-        except GroupFormationError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise GroupFormationError(f"the {backend} weight group did not form: {_short(e)}") from None
-        if int(token.item()) != int(_get(store, _Keys.group_id), 16):
-            raise GroupFormationError("the first broadcast of the weight group carried the wrong group id")
-        self.rank, self.world_size, self.backend = rank, world_size, backend
-        log.info("joined weight group %s at %s:%d as rank %d of %d (%s)", _get(store, _Keys.group_id), feed.host,
-                 feed.port, rank, world_size, backend)
-        return rank
-
-    def next_transfer(self, timeout_s: float) -> Transfer | None:
-        return self.feed.next_transfer(timeout_s)
-
-    def receive(self, transfer: Transfer, check: Callable[[Manifest], None] | None = None
-                ) -> Iterator[tuple[str, Tensor]]:
-        if self.rank is None or self._group is None:
-            raise WeightTransferError("not joined to a weight group")
-        try:
-            if check is not None:
-                check(transfer.manifest)
-        except Exception as e:
-            self.feed.answer(transfer, "ready", self.rank, error=str(e).splitlines()[0] if str(e) else _short(e))
-            raise
-        self.feed.answer(transfer, "ready", self.rank)
-        go_key = _Keys.transfer(transfer.seq, "go")
-        if _wait_keys(self.feed.store, [go_key], self.timeout_s, stop=self.feed.closed_reason):
-            raise WeightTransferError(f"weights step {transfer.step}: no 'go' from the sender within "
-                                      f"{self.timeout_s:g}s")
-        if _get(self.feed.store, go_key) != "send":
-            raise WeightTransferError(f"weights step {transfer.step}: the sender aborted the transfer")
-        device = _buffer_device(self.backend or "gloo", self.device)
-        buckets = transfer.manifest.buckets
-        for index, bucket in enumerate(buckets):
-            buffer = torch.empty(bucket.num_bytes, dtype=torch.uint8, device=device)
-            try:
-                _broadcast(self._group, buffer, self.timeout_s)
-            except Exception as e:  # noqa: BLE001
-                raise WeightTransferError(f"weights step {transfer.step}: bucket {index + 1}/{len(buckets)} did not "
-                                          f"arrive: {_short(e)}") from None
-            yield from unpack_bucket(bucket, buffer)
-
-    def finish(self, transfer: Transfer, error: str | None = None) -> None:
-        if self.rank is None:
-            raise RuntimeError("not joined to a weight group")
-        self.feed.answer(transfer, "done", self.rank, error)
-
-    def close(self) -> None:
-        self._group = None
-        self.feed.close()

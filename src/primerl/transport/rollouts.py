@@ -1,4 +1,5 @@
-"""The training batch on disk: the orchestrator writes `<run>/rollouts/step_<n>/`, the trainer reads it (DESIGN §3.3).
+"""The training batch on disk: the orchestrator writes `<run>/rollouts/step_<n>/`, the trainer reads it
+(docs/trainer.md, "Batches").
 
 Contract, in four lines:
 - A *sample* is one token sequence (prompt + completion, possibly several turns) with per-token `loss_mask` (1 on
@@ -13,7 +14,8 @@ Contract, in four lines:
   atomically: everything is written under a temporary name, then the directory is renamed to `step_<n>`.
 
 Step numbering (docs/trainer.md): `rollouts/step_<n>` is the batch the trainer consumes when it holds policy version
-n (the weights after n optimizer steps); it must come from policy version >= n - max_async_steps (DESIGN §3.4).
+n (the weights after n optimizer steps); it must come from policy version >= n - max_async_steps (docs/rl.md, "The
+async rule").
 Training on it produces policy version n + 1, published as `weights/step_<n+1>`.
 
 Layout of `rollouts/step_<n>/`:
@@ -41,6 +43,8 @@ from typing import Any
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+from primerl.storage import fsync_path
 
 FORMAT_VERSION = 2
 ROLLOUTS_DIR = "rollouts"
@@ -312,12 +316,12 @@ def write_batch(
         for rank, part in enumerate(parts):
             save_file(part, str(tmp / f"rank_{rank}.safetensors"), metadata={"step": str(step), "rank": str(rank)})
         (tmp / META_FILE).write_text(json.dumps(meta))
-        _fsync_dir(tmp)
+        fsync_path(tmp)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(final.parent)
+    fsync_path(final.parent)
     return final
 
 
@@ -372,10 +376,3 @@ def wait_for_batch(
         time.sleep(poll_interval_s)
     return path, time.monotonic() - start
 
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

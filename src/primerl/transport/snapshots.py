@@ -1,4 +1,5 @@
-"""Weight snapshots on disk: the trainer publishes `<run>/weights/step_<k>/`, inference loads it (DESIGN §3.2).
+"""Weight snapshots on disk: the trainer publishes `<run>/weights/step_<k>/`, inference loads it (docs/rl.md, "The
+run directory").
 
 Contract:
 - `weights/step_<k>/` holds policy version k, the weights after k optimizer steps, as a Hugging Face model directory:
@@ -25,6 +26,8 @@ import re
 import shutil
 import time
 from pathlib import Path
+
+from primerl.storage import fsync_path
 
 WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
@@ -105,14 +108,14 @@ def publish(staged: Path, run_dir: str | os.PathLike, step: int) -> Path:
     """Move a fully written staging directory to `weights/step_<step>` and mark it STABLE (last)."""
     final = weights_dir(run_dir, step)
     for f in staged.iterdir():
-        _fsync_file(f)
+        fsync_path(f)
     if final.exists():  # a re-run of the same step after a resume: replace it whole
         shutil.rmtree(final)
     os.rename(staged, final)
     num_bytes = sum(f.stat().st_size for f in final.iterdir())
     marker_tmp = final / f".{STABLE}.tmp"
     marker_tmp.write_text(json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
-    _fsync_file(marker_tmp)
+    fsync_path(marker_tmp)
     os.rename(marker_tmp, final / STABLE)
     return final
 
@@ -155,14 +158,6 @@ def remove_after(run_dir: str | os.PathLike, step: int) -> list[int]:
         (path / STABLE).unlink(missing_ok=True)
         shutil.rmtree(path, ignore_errors=True)
     return doomed
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def shared_segment_dir(run_dir: str | os.PathLike) -> Path:

@@ -151,3 +151,14 @@ class Engine(ABC):
     @abstractmethod
     def healthy(self) -> bool:
         """True while the engine is started and its scheduler is alive."""
+
+
+def check_prompt(prompt_ids: list[int], max_model_len: int) -> None:
+    """The ValueError `Engine.generate` raises before yielding: an empty prompt, or one that leaves no room for a
+    completion under `max_model_len`."""
+    if not prompt_ids:
+        raise ValueError("prompt is empty")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"prompt has {len(prompt_ids)} tokens; max_model_len {max_model_len} leaves no room for a completion"
+        )

@@ -23,116 +23,25 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from primerl.cpu import onednn_bf16
 from primerl.inference.engines.decoders import Decoder
+from primerl.inference.engines.llama_ops import (
+    _bucket,
+    _compiled,
+    _compiled_sampler,
+    _decode_attention,
+    _fuse,
+    _linear,
+    _onednn_prepacks,
+    _Projection,
+    _rms_norm,
+    _rotary_tables,
+    _rotate,
+    _sdpa_decode_attention,
+)
 from primerl.inference.engines.sampling import sample_unfiltered
 
 _SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
 _MIN_SPAN = 128
-
-
-def _onednn_prepacks(dtype: torch.dtype) -> bool:
-    """Whether oneDNN multiplies by pre-laid-out weights in `dtype` on this CPU (float32 always, where oneDNN is
-    built in; bfloat16 where the CPU has bfloat16 dot products)."""
-    if not torch.backends.mkldnn.is_available():
-        return False
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16())
-
-
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Concatenate the weights (and biases) of `linears` along the output dimension and make each module's
-    parameters views into the result. Returns (weight, bias or None)."""
-    fused = []
-    for attribute in ("weight", "bias"):
-        parts = [getattr(linear, attribute) for linear in linears]
-        if parts[0] is None:
-            fused.append(None)
-            continue
-        whole = torch.cat([p.data for p in parts])
-        offset = 0
-        for part in parts:
-            part.data = whole[offset : offset + part.shape[0]]
-            offset += part.shape[0]
-        fused.append(whole)
-    return fused[0], fused[1]
-
-
-class _Projection:
-    """One matmul of the forward, x @ weight.T (+ bias). With `prepack` (on CPU) it multiplies by a copy of the weight
-    laid out once for oneDNN, which saves the re-layout every call otherwise pays (at 16 rows on one core: float32
-    1.3-2x faster than `F.linear`, bfloat16 2-4x; benchmarks/NOTES.md); `refresh()` re-packs after the weight
-    changed in place."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool):
-        self.weight, self.bias, self.prepack = weight, bias, prepack
-        self.packed: torch.Tensor | None = None
-        self.refresh()
-
-    def refresh(self) -> None:
-        if self.prepack:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
-
-    @property
-    def operand(self) -> torch.Tensor:
-        """What `_linear` multiplies by: the packed copy where there is one, else the weight."""
-        return self.weight if self.packed is None else self.packed
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.operand, self.bias, self.prepack)
-
-
-def _linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    if packed:
-        return torch.ops.mkldnn._linear_pointwise(x, operand, bias, "none", [], "")
-    return F.linear(x, operand, bias)
-
-
-def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-) -> torch.Tensor:
-    """Attention of one query per row, q [B, heads, 1, D], over keys/values [B, kv_heads, S, D] where `visible`
-    [B, 1, 1, S]; heads h*g..h*g+g-1 share kv head h (grouped-query), without repeating the keys and values. The
-    scores and softmax are float32, the products in the model's dtype (as SDPA does)."""
-    batch, heads, _, dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * dim**-0.5
-    scores = scores.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(batch, heads, 1, dim)
-
-
-def _sdpa_decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor
-) -> torch.Tensor:
-    """`_decode_attention` through torch SDPA: on CUDA one fused kernel (cuDNN's) where the grouped products are
-    three, 5-12 % of a compiled decode step on an H200 (benchmarks/NOTES.md, section 9); on the CPU the grouped
-    products are the faster (SDPA's CPU kernel repeats the keys per query head)."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=True)
-
-
-def _compiled(function):
-    """torch.compile `function`, whose inputs' dynamic dimensions the caller marks (`torch._dynamo.mark_dynamic`);
-    every other size is static. Duck sizing is off while it compiles: sizes equal at the first call (a span and the
-    cache's capacity) would otherwise be assumed equal, and the first call where they differ would compile again."""
-    import torch.fx.experimental._config as fx_config
-
-    compiled = torch.compile(function, dynamic=False, fullgraph=True)
-
-    def call(*args):
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args)
-
-    return call
-
-
-def _compiled_sampler(function):
-    """The sampler as the CUDA decoder runs it with `compile` (benchmarks/engine.py's baseline replaces this)."""
-    return _compiled(function)
-
-
-def _bucket(n: int, buckets: list[int]) -> int:
-    return next(b for b in buckets if b >= n)
 
 
 class LlamaDecoder(Decoder):
@@ -182,12 +91,7 @@ class LlamaDecoder(Decoder):
         self.lm_head = _Projection(model.lm_head.weight, None, prepack)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        rotary = model.model.rotary_emb
-        positions = torch.arange(max_len, device=self.device, dtype=torch.float32)
-        freqs = positions[:, None] * rotary.inv_freq.to(self.device, torch.float32)[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (angles.cos() * rotary.attention_scaling).to(self.dtype)
-        self.sin = (angles.sin() * rotary.attention_scaling).to(self.dtype)
+        self.cos, self.sin = _rotary_tables(model.model.rotary_emb, max_len, self.device, self.dtype)
         self.capacity = 0
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
@@ -287,17 +191,6 @@ class LlamaDecoder(Decoder):
 
     # ----------------------------------------------------------------------------------------------- forward
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
-
-    @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
     def _layer(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, operands: tuple, attend, *state: torch.Tensor
     ) -> torch.Tensor:
@@ -305,18 +198,18 @@ class LlamaDecoder(Decoder):
         and returns the attention output [B, heads, T, head_dim]."""
         in_norm, qkv, qkv_bias, q_norm, k_norm, o, o_bias, post_norm, gate_up, down = operands
         batch, length, _ = x.shape
-        h = self._norm(x, in_norm)
+        h = _rms_norm(x, self.eps, in_norm)
         q, k, v = _linear(h, qkv, qkv_bias, self.prepack).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(batch, length, -1, self.head_dim)
         k = k.view(batch, length, -1, self.head_dim)
         v = v.view(batch, length, -1, self.head_dim)
         if q_norm is not None:
-            q, k = self._norm(q, q_norm), self._norm(k, k_norm)
-        q = self._rotate(q.transpose(1, 2), cos, sin)
-        k = self._rotate(k.transpose(1, 2), cos, sin)
+            q, k = _rms_norm(q, self.eps, q_norm), _rms_norm(k, self.eps, k_norm)
+        q = _rotate(q.transpose(1, 2), cos, sin)
+        k = _rotate(k.transpose(1, 2), cos, sin)
         out = attend(q, k, v.transpose(1, 2), *state)
         x = x + _linear(out.transpose(1, 2).reshape(batch, length, -1), o, o_bias, self.prepack)
-        gate, up = _linear(self._norm(x, post_norm), gate_up, None, self.prepack).chunk(2, dim=-1)
+        gate, up = _linear(_rms_norm(x, self.eps, post_norm), gate_up, None, self.prepack).chunk(2, dim=-1)
         return x + _linear(F.silu(gate) * up, down, None, self.prepack)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend, *shared, decoding=False):
@@ -336,7 +229,7 @@ class LlamaDecoder(Decoder):
             if mark:
                 torch._dynamo.maybe_mark_dynamic(x, 0)
             x = layer(x, cos, sin, operands, attend, k_cache, v_cache, *shared)
-        return self._norm(x, self.model.model.norm.weight)
+        return _rms_norm(x, self.eps, self.model.model.norm.weight)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
@@ -505,64 +398,3 @@ class LlamaDecoder(Decoder):
         positions.copy_(saved[1])
         (self.sampling_graphs if sampling else self.graphs)[(rows, span)] = graph
         return graph
-
-
-def self_check(model_name: str = "tiny", device: str = "cpu", steps: int = 24, compile: bool = False) -> None:
-    """The fast decoder's greedy tokens must equal the uncached reference's, for rows of different lengths decoded
-    together (with rows retiring mid-way, which moves rows; two rows share a prompt, which prefill runs once), on
-    CUDA through captured graphs, and with `compile` through the compiled decode step."""
-    from transformers import AutoModelForCausalLM
-
-    from primerl.inference.engines.decoders import ReferenceDecoder
-    from primerl.models import resolve_model
-
-    model = AutoModelForCausalLM.from_pretrained(resolve_model(model_name), dtype=torch.float32).to(device).eval()
-    graphs = device.startswith("cuda")
-    prompts = [[1, 17, 45, 300, 12], [1, 99], [1, *range(5, 40)], [1, 512, 3], [1, 99]]
-    rows_max = len(prompts)
-    outputs = []
-    for decoder in (ReferenceDecoder(model, rows_max), LlamaDecoder(model, rows_max, 256, cuda_graphs=graphs, compile=compile)):
-        sequences = [list(p) for p in prompts]
-        rows = list(range(len(prompts)))  # rows[i] = prompt index decoded in row i
-        tokens = decoder.prefill(0, prompts).argmax(-1).tolist()
-        for step in range(steps):
-            for row, token in zip(rows, tokens, strict=True):
-                sequences[row].append(token)
-            if step == steps // 2:  # retire row 1: the last row moves into its place
-                decoder.move_row(len(rows) - 1, 1, len(sequences[rows[-1]]))
-                rows[1] = rows.pop()
-                tokens[1] = tokens.pop()
-            positions = [len(sequences[row]) - 1 for row in rows]
-            tokens = decoder.decode(tokens, positions).argmax(-1).tolist()
-        outputs.append(sequences)
-    assert outputs[0] == outputs[1], f"fast decoder differs from the reference:\n{outputs[0]}\n{outputs[1]}"
-    # several steps per call, sampling on the device (greedy rows), through the sampling graphs on CUDA
-    fast = LlamaDecoder(model, rows_max, 256, cuda_graphs=graphs, compile=compile)
-    chained = [list(p) for p in prompts]
-    tokens = fast.prefill(0, prompts).argmax(-1).tolist()
-    for _ in range(3):
-        for sequence, token in zip(chained, tokens, strict=True):
-            sequence.append(token)
-        positions = [len(sequence) - 1 for sequence in chained]
-        zeros = torch.zeros(len(prompts))
-        sampled, _ = fast.decode_many(tokens, positions, zeros, torch.full((steps // 3, len(prompts)), 0.5).double())
-        columns = sampled.T.tolist()
-        for sequence, column in zip(chained, columns, strict=True):
-            sequence.extend(column[:-1])
-        tokens = [column[-1] for column in columns]
-    reference = ReferenceDecoder(model, rows_max)
-    expected = [list(p) for p in prompts]
-    tokens = reference.prefill(0, prompts).argmax(-1).tolist()
-    for _ in range(len(chained[0]) - len(prompts[0])):
-        for sequence, token in zip(expected, tokens, strict=True):
-            sequence.append(token)
-        tokens = reference.decode(tokens, [len(s) - 1 for s in expected]).argmax(-1).tolist()
-    assert chained == expected, f"chained decode differs from the reference:\n{expected}\n{chained}"
-    print(f"ok: fast greedy decode equals the uncached reference ({model_name}, {device}, {steps} steps, "
-          f"one step and {steps // 3} steps per call{', compiled' if compile else ''})")
-
-
-if __name__ == "__main__":
-    import sys
-
-    self_check(device=sys.argv[1] if len(sys.argv) > 1 else "cpu", compile="--compile" in sys.argv)

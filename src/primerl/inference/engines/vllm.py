@@ -15,7 +15,7 @@ How the contract maps onto vLLM:
 - seeds: a request without a seed passes none, so vLLM keeps its batched sampling path (a per-request seed moves the
   whole batch onto per-request generators); the engine-wide `seed` seeds vLLM's global generator.
 - weight updates (a snapshot directory, the trainer's shared buffer, or a broadcast): pause with mode "keep"
-  (requests in flight stay queued with their KV blocks), load the tensors on every worker through `WorkerExtension`
+  (requests in flight stay queued with their KV blocks), load the tensors on every worker through `vllm_worker.WorkerExtension`
   (the model's own `load_weights` maps checkpoint names onto vLLM's fused parameters), then reset the prefix cache
   with `reset_running_requests=True`: vLLM preempts the requests in flight (they recompute their KV under the new
   weights when they resume) so that no cached block computed by the old weights is reused; a reset vLLM reports as
@@ -45,12 +45,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from primerl.inference.engines import vllm_compat
-from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent
+from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, TokenEvent, check_prompt
+from primerl.inference.engines.vllm_worker import WorkerExtension
 
 if TYPE_CHECKING:
     from primerl.config.common import ModelConfig
     from primerl.config.inference import BroadcastReceiverSection, VLLMSection
-    from primerl.transport.broadcast import Transfer, TransferFeed
+    from primerl.transport.broadcast import Transfer
+    from primerl.transport.broadcast_receiver import TransferFeed
 
 log = logging.getLogger("primerl.inference")
 
@@ -76,93 +78,6 @@ def vllm_api() -> VLLMAPI:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return VLLMAPI(AsyncEngineArgs, AsyncLLM, SamplingParams, TokensPrompt, RequestOutputKind)
-
-
-class WorkerExtension:
-    """Mixed into vLLM's worker class (`worker_extension_cls`), called through `collective_rpc` on every worker:
-    `primerl_load_weights` loads a weights directory into the running model; `primerl_load_shared` loads the
-    trainer's shared CUDA buffer (mapped once per segment through its IPC handle; `load_weights` copies from views of
-    it, nothing goes through the disk); `primerl_broadcast_join` and `primerl_broadcast_receive` make the worker one
-    receiver rank of the trainer's weight group."""
-
-    def primerl_load_weights(self, path: str) -> int:
-        from safetensors.torch import safe_open
-
-        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
-        if not files:
-            raise FileNotFoundError(f"no safetensors weights at {path}")
-
-        def tensors() -> Any:
-            for file in files:
-                with safe_open(str(file), framework="pt", device="cpu") as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                        yield name, f.get_tensor(name)
-
-        loaded = self.model_runner.get_model().load_weights(weights=tensors())  # type: ignore[attr-defined]
-        return len(loaded) if loaded is not None else 0
-
-    def primerl_load_shared(self, snapshot: str, run_dir: str) -> int:
-        """Load the version `snapshot` (a SHARED marker directory) points at from the trainer's buffer on this GPU;
-        returns once the copies are done, so the trainer may overwrite the buffer."""
-        import torch
-
-        from primerl.transport.shared import SharedReader
-
-        reader = getattr(self, "_primerl_shared_reader", None)
-        if reader is None:
-            reader = self._primerl_shared_reader = SharedReader(torch.device("cuda", torch.cuda.current_device()))
-        views = reader.tensors(snapshot, run_dir)
-        loaded = self.model_runner.get_model().load_weights(weights=iter(views.items()))  # type: ignore[attr-defined]
-        torch.cuda.synchronize()
-        return len(loaded) if loaded is not None else len(views)
-
-    def primerl_broadcast_join(self, host: str, port: int, init_timeout_s: float, timeout_s: float) -> None:
-        """Start joining the weight group as a receiver on this worker's GPU; returns at once (the join waits for
-        the trainer, up to `init_timeout_s`, in a background thread so the worker keeps serving)."""
-        import threading
-
-        import torch
-
-        from primerl.transport.broadcast import BroadcastReceiver
-
-        receiver = BroadcastReceiver(host, port, device=torch.device("cuda", torch.cuda.current_device()),
-                                     init_timeout_s=init_timeout_s, timeout_s=timeout_s)
-        joined = threading.Event()
-        self._primerl_receiver, self._primerl_joined, self._primerl_join_error = receiver, joined, None
-
-        def join() -> None:
-            try:
-                receiver.join()
-            except Exception as e:  # noqa: BLE001 - reported by primerl_broadcast_receive
-                self._primerl_join_error = str(e)
-            finally:
-                joined.set()
-
-        threading.Thread(target=join, name="primerl-weights-join", daemon=True).start()
-
-    def primerl_broadcast_receive(self, transfer: dict[str, Any]) -> dict[str, Any]:
-        """Receive one announced transfer (the engine is paused) into the model in place, bucket by bucket. Never
-        raises: returns {"rank", "error", "seconds", "num_bytes"} so the engine can confirm for every rank."""
-        import time
-
-        from primerl.transport.broadcast import Transfer
-
-        receiver = getattr(self, "_primerl_receiver", None)
-        if receiver is None:
-            return {"rank": None, "error": "primerl_broadcast_join was not called", "seconds": 0.0, "num_bytes": 0}
-        self._primerl_joined.wait(receiver.feed.init_timeout_s)
-        if receiver.rank is None:
-            error = self._primerl_join_error or "not joined to the weight group yet"
-            return {"rank": None, "error": error, "seconds": 0.0, "num_bytes": 0}
-        announced = Transfer.from_dict(transfer)
-        started = time.perf_counter()
-        try:
-            self.model_runner.get_model().load_weights(weights=receiver.receive(announced))  # type: ignore[attr-defined]
-        except Exception as e:  # noqa: BLE001 - returned to the engine, which tells the trainer
-            return {"rank": receiver.rank, "error": str(e).splitlines()[0] or type(e).__name__,
-                    "seconds": time.perf_counter() - started, "num_bytes": 0}
-        return {"rank": receiver.rank, "error": None, "seconds": time.perf_counter() - started,
-                "num_bytes": announced.manifest.num_bytes}
 
 
 class VLLMEngine(Engine):
@@ -219,7 +134,7 @@ class VLLMEngine(Engine):
             "enable_sleep_mode": self.options.sleep_level > 0,
             "seed": self.seed,
             "logprobs_mode": "processed_logprobs",
-            "worker_extension_cls": f"{__name__}.{WorkerExtension.__qualname__}",
+            "worker_extension_cls": f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
             **vllm_compat.engine_overrides(self.vllm_version),
         }
 
@@ -251,13 +166,7 @@ class VLLMEngine(Engine):
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
         if not self.healthy():
             raise RuntimeError("engine is not running")
-        if not prompt_ids:
-            raise ValueError("prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(prompt_ids)} tokens; max_model_len {self.max_model_len} leaves no room for a "
-                "completion"
-            )
+        check_prompt(prompt_ids, self.max_model_len)
         return self._stream(list(prompt_ids), params, request_id)
 
     async def _stream(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[Event]:
@@ -360,7 +269,7 @@ class VLLMEngine(Engine):
                                "KV connector?); cached prefixes of the old weights would be reused")
 
     async def start_weight_receiver(self, settings: BroadcastReceiverSection) -> None:
-        from primerl.transport.broadcast import TransferFeed
+        from primerl.transport.broadcast_receiver import TransferFeed
 
         await self._llm.collective_rpc(
             "primerl_broadcast_join", args=(settings.host, settings.port, settings.init_timeout_s, settings.timeout_s)

@@ -36,7 +36,7 @@ from primerl.transport.weight_transfer.modes import TransferMode, published_by
 if TYPE_CHECKING:
     import torch
 
-    from primerl.transport.broadcast import TensorSpec
+    from primerl.transport.buckets import TensorSpec
 
 log = logging.getLogger("primerl.transport.weight_transfer")
 

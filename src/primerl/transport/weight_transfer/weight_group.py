@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from primerl.transport import snapshots
-from primerl.transport.broadcast import BroadcastSender, GroupFormationError, WeightTransferError, plan_buckets
+from primerl.transport.broadcast import BroadcastSender, GroupFormationError, WeightTransferError
+from primerl.transport.buckets import plan_buckets
 from primerl.transport.weight_transfer.base import LoadRefused, Publisher, PublishSettings, TransferFailed, WeightSource
 from primerl.transport.weight_transfer.filesystem import FilesystemReceiver
 from primerl.transport.weight_transfer.modes import MODES
