@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "primerl.ports",
             "primerl.imports",
             "primerl.multicast",
+            "primerl.waiting",
         ),
     ),
     ("transport", ("primerl.transport",)),

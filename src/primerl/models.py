@@ -241,7 +241,7 @@ def convert_gguf(model: EmbeddedModel, out: Path, progress: bool = True) -> None
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from primerl.launch.console import Waiting  # a line every few seconds through the silent parts
+    from primerl.waiting import Waiting  # a line every few seconds through the silent parts
 
     with tempfile.TemporaryDirectory() as work:
         gguf = fetch_gguf(model, Path(work))

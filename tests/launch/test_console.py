@@ -58,7 +58,7 @@ def test_a_long_wait_for_the_first_step_says_what_it_waits_for(tmp_path):
 def test_waiting_prints_a_line_every_few_seconds_until_the_block_ends():
     import time
 
-    from primerl.launch.console import Waiting
+    from primerl.waiting import Waiting
 
     out = io.StringIO()
     with Waiting("dequantizing the weights", prog="primerl", every_s=0.05, stream=out):

@@ -1,7 +1,7 @@
 """What the commands print while they run: `rl`'s console (`Console`: follows `<run>/metrics.jsonl` and prints one line
 per trained step, the orchestrator's record of the batch next to the trainer's record of training on it, under a
-progress bar on a terminal), a line every few seconds through a long wait (`Waiting`), and one line, never a
-traceback, for a Ctrl-C or SIGTERM while a command is already stopping (`stop_quietly`).
+progress bar on a terminal), and one line, never a traceback, for a Ctrl-C or SIGTERM while a command is already
+stopping (`stop_quietly`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Self
 
 from primerl.monitor import METRICS_FILE, format_line
 
@@ -122,31 +121,3 @@ def stop_quietly(prog: str) -> None:
 
     signal.signal(signal.SIGINT, already_stopping)
     signal.signal(signal.SIGTERM, already_stopping)
-
-
-class Waiting:
-    """`with Waiting("loading the model"):` prints "<prog>: still loading the model (12 s)" every `every_s` seconds
-    until the block ends, so a long silence says what it waits for. Nothing is printed when the block ends sooner."""
-
-    def __init__(self, what: str, prog: str = "primerl", every_s: float = 5.0, stream=None):
-        self.what, self.prog, self.every_s = what, prog, every_s
-        self.stream = stream if stream is not None else sys.stderr
-        self._done = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def __enter__(self) -> Self:
-        started = time.monotonic()
-
-        def beat() -> None:
-            while not self._done.wait(self.every_s):
-                print(f"{self.prog}: still {self.what} ({time.monotonic() - started:.0f} s)", file=self.stream,
-                      flush=True)
-
-        self._thread = threading.Thread(target=beat, name="waiting", daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._done.set()
-        if self._thread is not None:
-            self._thread.join()
