@@ -41,6 +41,11 @@ class TrainingConfig(Section):
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )
+    width_multiple: int = Field(
+        64, ge=1, description="the columns of a micro-batch (its padding trimmed) and the tokens of the log-prob head "
+        "are rounded up to a multiple of this: a CPU backend caches a kernel for every new shape, so a long run with "
+        "every width its own would grow (1: no rounding)",
+    )
     seed: int = Field(0, description="seed for initialisation of new parameters (LoRA) and fake data")
     warm_up_tokens: int | None = Field(
         None, ge=0, description="RL on the CPU: before its first batch, one forward and backward over a dummy row of "
