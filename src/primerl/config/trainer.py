@@ -96,6 +96,11 @@ class CheckpointConfig(Section):
 
     interval: int | None = Field(None, ge=1, description="save every this many steps (None: only at the end)")
     keep_last: int | None = Field(2, ge=1, description="keep the newest this many checkpoints (None: all)")
+    keep_rollouts: int | None = Field(
+        100, ge=0, description="RL: of the rollout batches (`rollouts/step_<n>/`) that no resume can read again "
+        "(trained on, and older than every checkpoint kept), keep the newest this many and remove the rest, so a long "
+        "run's directory stays bounded (None: keep all)",
+    )
     resume: int | Literal["latest"] | None = Field(
         None, description="resume from checkpoint step k, or the latest complete one"
     )
