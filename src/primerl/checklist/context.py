@@ -43,6 +43,7 @@ class Context:
     work_dir: Path
     say: Callable[[str], None]
     stall_timeout_s: float = STALL_TIMEOUT_S
+    peaks: dict[str, float] = field(default_factory=dict)  # peak resident bytes of a heavy step's child, by step
     _torch: dict[str, Any] | None = field(default=None, repr=False)
 
     def torch_facts(self) -> dict[str, Any]:
