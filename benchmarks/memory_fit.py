@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from procs import sample_tree  # benchmarks/procs.py
-from report import add_smoke_flag, emit  # benchmarks/report.py
+from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
 
 from primerl.checklist.memory import ModelShape, estimate_rl
 from primerl.models import resolve_model
@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         "max_relative_error": max((r["relative_error"] for r in rows), default=None),
     }
     if args.smoke:
-        result["not_run"] = {"demo": "smoke: the tiny recipe only", "tiny_long_rows": "smoke: the tiny recipe only"}
+        for part in ("demo", "tiny_long_rows"):
+            not_run(result, part, "smoke: the tiny recipe only")
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     emit(result, args.out, smoke=args.smoke)

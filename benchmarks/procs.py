@@ -60,7 +60,7 @@ def sample_process(pid: int) -> dict[str, Any] | None:
             kb[key] = int(parts[0])
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
     return {"rss_mb": kb.get("Rss", 0) / 1024, "pss_mb": kb.get("Pss", 0) / 1024, "fds": fds,
-            "threads": int(fields["Threads"].strip()), "hwm_mb": int(fields["VmHWM"].split()[0]) / 1024}
+            "threads": int(fields["Threads"].strip()), "hwm_mb": int(fields.get("VmHWM", "0 kB").split()[0]) / 1024}
 
 
 def sample_tree(root: int) -> dict[str, dict[str, Any]]:

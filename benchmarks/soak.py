@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from procs import sample_tree, slope, tree_size  # benchmarks/procs.py
-from report import add_smoke_flag, emit  # benchmarks/report.py
+from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MB_PER_100_STEPS = 1.0
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     result["runs"] = runs
     result["steps_completed"] = {name: run["steps_completed"] for name, run in runs.items()}
     if not args.demo:
-        result["not_run"] = {"demo": "run with --demo (recipes/reverse-text.toml for --demo-steps steps)"}
+        not_run(result, "demo", "run with --demo (recipes/reverse-text.toml for --demo-steps steps)")
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     emit(result, args.out, smoke=args.smoke)

@@ -73,6 +73,11 @@ CASES = [
     Smoke("e2e_vs_trl.py", ("primerl_rollouts_per_s", "primerl_rewards", "rounds"), not_run=("trl",),
           args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
     Smoke("algorithms.py", ("rows", "summary", "distillation"), args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
+    Smoke("trainer_memory.py", ("modes", "steps"), marks=INTEGRATION),
+    Smoke("soak.py", ("runs", "steps_completed"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
+          marks=INTEGRATION),
+    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error"), not_run=("demo", "tiny_long_rows"),
+          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
     Smoke("drills.py", ("drills",), marks=(pytest.mark.drills, pytest.mark.integration)),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"

@@ -9,11 +9,15 @@ config.json and safetensors headers, without loading it) and the run's sizes:
                  layer), the log-prob head's logits for one chunk of tokens, and the free space the heap keeps between
                  steps (`primerl.cpu.trim_freed_memory` hands it back above 1 GiB)
     inference    the weights in the serving dtype, twice on a CPU (oneDNN's pre-laid-out copy beside them) plus a new
-                 version while it is loaded, and the KV cache of max_batch_size sequences of max_model_len tokens
-    orchestrator and the launcher: what they import (a preloading launcher holds torch and transformers)
+                 version while it is loaded (its tensors and the file's pages), and the KV cache of max_batch_size
+                 sequences of max_model_len tokens
+    orchestrator what it imports, and its tokenizer (about 1 KB a vocabulary entry)
+    launcher     what it imports (a preloading launcher holds torch and transformers)
 
 Each sum starts from what the process's imports cost (`BASE_MB`, measured on x86-64 Linux with torch 2.13). The
-constants were checked against measured peaks by `benchmarks/memory_fit.py` (benchmarks/results/memory_fit.json).
+launcher's and the orchestrator's figures and the inference server's weight copies were fitted to the peaks that
+`benchmarks/memory_fit.py` measured for the tiny and the demo recipe; its third configuration checks them
+(benchmarks/results/memory_fit.json).
 The checklist's `memory_fit` step prints the estimate beside the machine's MemAvailable and refuses in one line when
 the processes together will not fit.
 """
@@ -29,7 +33,8 @@ from typing import Any
 MB = 2**20
 # Resident memory of each process before its model (imports, interpreter, server loop), measured (see above).
 BASE_MB = {"launcher": 300.0, "inference": 520.0, "orchestrator": 280.0, "trainer": 520.0}
-PRELOADED_LAUNCHER_MB = 600.0  # a preloading launcher (rl.preload) has imported torch and transformers
+PRELOADED_LAUNCHER_MB = 930.0  # a preloading launcher (rl.preload) has imported torch, transformers and more
+TOKENIZER_BYTES_PER_TOKEN = 1024  # the orchestrator's tokenizer and its per-token tables
 HEAP_KEPT_BYTES = 2**30  # free heap a CPU trainer keeps between steps at most (primerl.cpu.TRIM_ABOVE_BYTES)
 # Float32 values a decoder layer keeps per token for backward, in units of the hidden size and of the MLP's width.
 ACTIVATION_HIDDEN, ACTIVATION_MLP = 8, 4
@@ -121,7 +126,7 @@ def inference_need(model: ModelShape, dtype_bytes: int, max_batch_size: int, max
         return ProcessNeed("inference", BASE_MB["inference"] * MB + weights, weights + kv,
                            {"imports": BASE_MB["inference"] * MB, "weights": weights, "kv cache": kv})
     parts = {"imports": BASE_MB["inference"] * MB, "weights (and a CPU kernel copy)": 2 * weights,
-             "the next version while it loads": weights, "kv cache": kv}
+             "the next version while it loads (tensors and file pages)": 2 * weights, "kv cache": kv}
     return ProcessNeed("inference", sum(parts.values()), 0.0, parts)
 
 
@@ -138,7 +143,8 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False) -> list[Proce
     return [
         ProcessNeed("launcher", (PRELOADED_LAUNCHER_MB if cfg.preload and not on_gpu else BASE_MB["launcher"]) * MB),
         inference_need(model, dtype_bytes, inference.max_batch_size, max_len, on_gpu),
-        ProcessNeed("orchestrator", BASE_MB["orchestrator"] * MB),
+        ProcessNeed("orchestrator", BASE_MB["orchestrator"] * MB + TOKENIZER_BYTES_PER_TOKEN * model.vocab,
+                    parts={"imports": BASE_MB["orchestrator"] * MB, "tokenizer": TOKENIZER_BYTES_PER_TOKEN * model.vocab}),
         trainer_need(model, cfg.seq_len, trainer.train.micro_batch_rows or 1, on_gpu, backward_bf16,
                      trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing),
     ]
