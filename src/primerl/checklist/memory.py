@@ -33,7 +33,7 @@ from typing import Any
 MB = 2**20
 # Resident memory of each process before its model (imports, interpreter, server loop), measured (see above).
 BASE_MB = {"launcher": 300.0, "inference": 520.0, "orchestrator": 280.0, "trainer": 520.0}
-PRELOADED_LAUNCHER_MB = 930.0  # a preloading launcher (rl.preload) has imported torch, transformers and more
+PRELOADED_LAUNCHER_MB = 860.0  # a preloading launcher (rl.preload) has imported torch, transformers and more
 TOKENIZER_BYTES_PER_TOKEN = 1024  # the orchestrator's tokenizer and its per-token tables
 HEAP_KEPT_BYTES = 2**30  # free heap a CPU trainer keeps between steps at most (primerl.cpu.TRIM_ABOVE_BYTES)
 # Float32 values a decoder layer keeps per token for backward, in units of the hidden size and of the MLP's width.
