@@ -17,7 +17,8 @@ def test_trimmed_width_rounds_up_to_the_multiple_and_never_past_the_row():
     assert trimmed_width(rows(37, 5), 64) == 64
     assert trimmed_width(rows(64), 64) == 64
     assert trimmed_width(rows(65), 64) == 128
-    assert trimmed_width(rows(150), 64) == 200  # 192 would do, 256 would pass the row's 200 columns
+    assert trimmed_width(rows(150), 64) == 192
+    assert trimmed_width(rows(193), 64) == 200  # 256 would pass the row's 200 columns
     assert trimmed_width(rows(0), 64) == 64
 
 
