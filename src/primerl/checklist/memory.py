@@ -31,8 +31,11 @@ from pathlib import Path
 from typing import Any
 
 MB = 2**20
-# Resident memory of each process before its model (imports, interpreter, server loop), measured (see above).
+# Resident memory of each process before its model (imports, interpreter, server loop), measured (see above): as
+# forks of a preloading launcher (rl.preload on a CPU-only run), whose pages they share and touch only in part, and
+# as fresh interpreters (a GPU run, or the checklist's micro-step: 871 MB measured for the trainer).
 BASE_MB = {"launcher": 300.0, "inference": 520.0, "orchestrator": 280.0, "trainer": 520.0}
+FRESH_MB = {"inference": 870.0, "trainer": 870.0}
 PRELOADED_LAUNCHER_MB = 860.0  # a preloading launcher (rl.preload) has imported torch, transformers and more
 TOKENIZER_BYTES_PER_TOKEN = 1024  # the orchestrator's tokenizer and its per-token tables
 HEAP_KEPT_BYTES = 2**30  # free heap a CPU trainer keeps between steps at most (primerl.cpu.TRIM_ABOVE_BYTES)
@@ -97,7 +100,8 @@ class ProcessNeed:
 
 
 def trainer_need(model: ModelShape, seq_len: int, micro_batch_rows: int, on_gpu: bool, backward_bf16: bool,
-                 chunk_tokens: int, activation_checkpointing: bool = False) -> ProcessNeed:
+                 chunk_tokens: int, activation_checkpointing: bool = False, forked: bool = False) -> ProcessNeed:
+    base = (BASE_MB if forked else FRESH_MB)["trainer"] * MB
     p = model.params
     tokens = seq_len * micro_batch_rows
     per_token = (ACTIVATION_HIDDEN * model.hidden + ACTIVATION_MLP * model.mlp) * 4
@@ -111,21 +115,21 @@ def trainer_need(model: ModelShape, seq_len: int, micro_batch_rows: int, on_gpu:
         "log-prob head": 3.0 * head_tokens * model.vocab * 4,
     }
     if on_gpu:
-        return ProcessNeed("trainer", BASE_MB["trainer"] * MB + 4.0 * p, sum(parts.values()),
-                           {"imports": BASE_MB["trainer"] * MB, **parts})
+        return ProcessNeed("trainer", base + 4.0 * p, sum(parts.values()), {"imports": base, **parts})
     parts["free heap kept between steps"] = float(min(HEAP_KEPT_BYTES, sum(parts.values()) / 2))
-    parts = {"imports": BASE_MB["trainer"] * MB, **parts}
+    parts = {"imports": base, **parts}
     return ProcessNeed("trainer", sum(parts.values()), 0.0, parts)
 
 
 def inference_need(model: ModelShape, dtype_bytes: int, max_batch_size: int, max_model_len: int,
-                   on_gpu: bool) -> ProcessNeed:
+                   on_gpu: bool, forked: bool = False) -> ProcessNeed:
+    base = (BASE_MB if forked else FRESH_MB)["inference"] * MB
     weights = float(model.params * dtype_bytes)
     kv = float(max_batch_size * max_model_len * model.layers * 2 * model.kv_heads * model.head_dim * dtype_bytes)
     if on_gpu:
-        return ProcessNeed("inference", BASE_MB["inference"] * MB + weights, weights + kv,
-                           {"imports": BASE_MB["inference"] * MB, "weights": weights, "kv cache": kv})
-    parts = {"imports": BASE_MB["inference"] * MB, "weights (and a CPU kernel copy)": 2 * weights,
+        return ProcessNeed("inference", base + weights, weights + kv, {"imports": base, "weights": weights,
+                                                                       "kv cache": kv})
+    parts = {"imports": base, "weights (and a CPU kernel copy)": 2 * weights,
              "the next version while it loads (tensors and file pages)": 2 * weights, "kv cache": kv}
     return ProcessNeed("inference", sum(parts.values()), 0.0, parts)
 
@@ -140,13 +144,14 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False) -> list[Proce
     dtype_bytes = DTYPE_BYTES.get(dtype, 2 if on_gpu else 4) if dtype != "auto" else (2 if on_gpu else 4)
     max_len = inference.max_model_len or cfg.seq_len
     backward_bf16 = not on_gpu and trainer.train.backward_dtype != "float32" and _cpu_bf16()
+    forked = cfg.preload and not on_gpu  # the launcher preloads and forks the server and the trainer (docs/rl.md)
     return [
-        ProcessNeed("launcher", (PRELOADED_LAUNCHER_MB if cfg.preload and not on_gpu else BASE_MB["launcher"]) * MB),
-        inference_need(model, dtype_bytes, inference.max_batch_size, max_len, on_gpu),
+        ProcessNeed("launcher", (PRELOADED_LAUNCHER_MB if forked else BASE_MB["launcher"]) * MB),
+        inference_need(model, dtype_bytes, inference.max_batch_size, max_len, on_gpu, forked),
         ProcessNeed("orchestrator", BASE_MB["orchestrator"] * MB + TOKENIZER_BYTES_PER_TOKEN * model.vocab,
                     parts={"imports": BASE_MB["orchestrator"] * MB, "tokenizer": TOKENIZER_BYTES_PER_TOKEN * model.vocab}),
         trainer_need(model, cfg.seq_len, trainer.train.micro_batch_rows or 1, on_gpu, backward_bf16,
-                     trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing),
+                     trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing, forked),
     ]
 
 
