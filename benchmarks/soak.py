@@ -87,7 +87,8 @@ def soak(recipe: str, steps: int, work: Path, interval_s: float, ckpt_interval: 
     if proc.returncode != 0:
         tail = log_path.read_text().splitlines()[-20:]
         raise SystemExit(f"rl {recipe} exited {proc.returncode} after {completed} steps:\n" + "\n".join(tail))
-    return summarize(recipe, steps, completed, wall, samples, warm_up, " ".join(command[2:]))
+    shown = " ".join(command[2:]).replace(str(run_dir), f"<work>/{run_dir.name}")  # no path of this machine
+    return summarize(recipe, steps, completed, wall, samples, warm_up, shown)
 
 
 def summarize(recipe: str, steps: int, completed: int, wall: float, samples: list[dict[str, Any]], warm_up: float,
