@@ -44,7 +44,7 @@ def test_light_steps_pass_for_the_tiny_recipe_and_gpu_steps_are_skipped(tmp_path
     assert found.pop("flash_attn")[0] == "skipped"
     assert {name: status for name, (status, _) in found.items()} == {
         "python": "passed", "torch": "passed", "disk": "passed", "memory": "passed", "ports": "passed",
-        "run_dir": "passed", "model": "passed", "environment": "passed",
+        "run_dir": "passed", "model": "passed", "memory_fit": "passed", "environment": "passed",
     }
     assert found["environment"][1].startswith("reverse-text: loaded; first task reverse-text-0-0"), found
     assert "step" in proc.stdout and "status" in proc.stdout  # the console table

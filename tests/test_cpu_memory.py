@@ -82,3 +82,38 @@ def test_a_block_freed_by_one_thread_is_reused_by_another():
     assert applied
     assert default_faults > 3_000  # 16 MiB of 4 KiB pages in the second thread's own heap
     assert kept_faults < 500
+
+
+FRAGMENTED = PREAMBLE + """
+from primerl.cpu import heap_bytes, trim_freed_memory
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+blocks = []
+for _ in range(48):  # 48 blocks of 32 MiB, each followed by a small block that stays: the free space cannot shrink
+    blocks.append(libc.malloc(32 * 2**20))
+    ctypes.memset(blocks[-1], 1, 32 * 2**20)
+    libc.malloc(4096)
+for block in blocks:
+    libc.free(block)
+before, fragmented = resident_mb(), heap_bytes()[1] > 2**30
+small = trim_freed_memory(above_bytes=2 * 2**30)  # 1.5 GiB free: below this threshold, nothing happens
+kept = resident_mb()
+trimmed = trim_freed_memory(above_bytes=2**30)
+print(applied, fragmented, small, round(before - kept), trimmed > 2**30, round(before - resident_mb()))
+"""
+
+
+@glibc_only
+def test_trim_hands_back_the_free_space_of_a_fragmented_heap_above_the_threshold():
+    out = subprocess.run([sys.executable, "-c", FRAGMENTED, "keep"], capture_output=True, text=True, check=True)
+    applied, fragmented, below, kept_mb, trimmed, handed_back_mb = out.stdout.split()
+    assert applied == "True" and fragmented == "True"
+    assert below == "0" and abs(int(kept_mb)) < 16  # under the threshold the freed pages stay for reuse
+    assert trimmed == "True" and int(handed_back_mb) > 1200  # ~1.5 GiB of freed blocks handed back
+
+
+@glibc_only
+def test_trim_does_nothing_where_freed_memory_is_not_kept():
+    out = subprocess.run([sys.executable, "-c", FRAGMENTED, "default"], capture_output=True, text=True, check=True)
+    applied, _, below, _, trimmed, _ = out.stdout.split()
+    assert applied == "False" and below == "0" and trimmed == "False"

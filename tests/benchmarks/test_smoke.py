@@ -24,7 +24,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
-LIBRARIES = {"report.py", "sides.py"}  # the harness and the side-process helpers, not benchmarks
+LIBRARIES = {"report.py", "sides.py", "procs.py"}  # the harness, side-process helpers and /proc readers
 TIMEOUT_S = 840  # per script; the smoke runs take seconds of CPU each, but the machine may be busy
 
 
@@ -121,6 +121,11 @@ CASES = [
     Smoke("reproduce.py", ("steps", "parts", "summary"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
           marks=INTEGRATION),
     Smoke("drills.py", ("drills", "auto_restart"), marks=(pytest.mark.drills, pytest.mark.integration)),
+    Smoke("trainer_memory.py", ("modes", "steps"), marks=INTEGRATION),
+    Smoke("soak.py", ("runs", "steps_completed"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
+          marks=INTEGRATION),
+    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error"), not_run=("demo", "tiny_long_rows"),
+          args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"
 

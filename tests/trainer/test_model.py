@@ -245,3 +245,31 @@ def test_compiled_layers_with_bfloat16_backward_match_the_uncompiled_ones(induct
     for name, grad in eager_grads.items():
         error = (compiled_grads[name] - grad).norm() / grad.norm()
         assert error < 2e-3, (name, error)  # the same bfloat16 products; fusion rounds a few sums differently
+
+
+def test_the_head_sees_a_multiple_of_width_multiple_tokens_and_the_same_results(monkeypatch):
+    """`train.width_multiple`: the head's token count is rounded up (few shapes for a CPU backend's kernel cache); the
+    log-probs, entropies and gradients are those of the unrounded head."""
+    seen = []
+    real = model.fused_logprobs
+
+    def recording(hidden, *args):
+        seen.append(hidden.shape[0])
+        return real(hidden, *args)
+
+    monkeypatch.setattr(model, "fused_logprobs", recording)
+    samples = random_samples([5, 17, 9])
+    a = {k: torch.from_numpy(v).long() for k, v in pack_samples(samples, 64).arrays.items()}
+    results = []
+    for multiple in (1, 16):
+        policy = tiny_policy()
+        policy.width_multiple = multiple
+        out = policy(a["input_ids"], a["position_ids"], a["sample_index"], wanted=a["loss_mask"].bool())
+        (out.logprobs * torch.arange(64)).sum().backward()
+        results.append((out, {n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}))
+    assert seen == [28, 32]  # 4 + 16 + 8 loss tokens; rounded up to 32
+    (plain, plain_grads), (rounded, rounded_grads) = results
+    torch.testing.assert_close(rounded.logprobs, plain.logprobs)
+    torch.testing.assert_close(rounded.entropy, plain.entropy)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(rounded_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)

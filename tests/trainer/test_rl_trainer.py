@@ -71,6 +71,19 @@ def test_trains_on_rollouts_and_publishes_weights(tmp_path):
     assert torch.isfinite(reloaded(ids).logits).all()
 
 
+def test_the_trainer_prunes_batches_no_resume_can_read_and_a_resume_still_finds_its_own(tmp_path):
+    from primerl.transport.rollouts import published_batches
+
+    write_fixed_batches(tmp_path, range(8))
+    train(config(tmp_path, "--train.max_steps", "6", "--ckpt.interval", "2", "--ckpt.keep_last", "2",
+                 "--ckpt.keep_rollouts", "1", "--ckpt.save_at_end=false"))
+    # checkpoints 4 and 6 kept: a resume reads rollouts/step_4 onwards; of 0..3, the newest (3) stays
+    assert published_batches(tmp_path) == [3, 4, 5, 6, 7]
+    train(config(tmp_path, "--train.max_steps", "8", "--ckpt.resume", "4", "--ckpt.interval", "2",
+                 "--ckpt.keep_rollouts", "1"))
+    assert sorted(read_metrics(tmp_path))[-4:] == [5, 6, 7, 8]
+
+
 def test_warm_up_before_the_first_batch_changes_no_step(tmp_path, caplog):
     plain, warmed = tmp_path / "plain", tmp_path / "warmed"
     for run_dir in (plain, warmed):

@@ -9,6 +9,8 @@ from primerl.transport.rollouts import (
     Sample,
     batch_dir,
     pack_samples,
+    prune_batches,
+    published_batches,
     read_batch,
     split_rows,
     wait_for_batch,
@@ -124,3 +126,27 @@ def test_shared_prompts_are_laid_out_once_per_row():
     assert split["sample_index"].tolist() == [[3, 3, 3, 3, 0, 0, 1, -1, -1], [2, 2, 2, 2, 2, 2, 2, -1, -1]]
     assert split["parent_index"].tolist() == [[-1] * 4 + [3] * 3 + [-1] * 2, [-1] * 9]
     assert not pack_samples(samples, 16).arrays["parent_index"].max() >= 0  # off by default
+
+
+def publish(run, steps):
+    for n in steps:
+        write_batch(run, n, [sample(5)], seq_len=8)
+
+
+def test_prune_keeps_what_a_resume_or_the_trainer_still_reads(tmp_path):
+    publish(tmp_path, range(10))
+    # trained on 0..7; checkpoints at 4 and 6: a resume may read 4 onwards, so 0..3 may go; of those, 1 stays
+    assert prune_batches(tmp_path, 1, consumed=8, resumable=[4, 6]) == [0, 1, 2]
+    assert published_batches(tmp_path) == [3, 4, 5, 6, 7, 8, 9]
+    assert not [p.name for p in (tmp_path / "rollouts").iterdir() if not p.name.startswith("step_")]  # no leftovers
+    # a checkpoint newer than what the trainer consumed: the unconsumed batches stay
+    assert prune_batches(tmp_path, 0, consumed=5, resumable=[8]) == [3, 4]
+    assert published_batches(tmp_path) == [5, 6, 7, 8, 9]
+    read_batch(batch_dir(tmp_path, 5))
+
+
+def test_prune_removes_nothing_without_a_checkpoint_or_a_limit(tmp_path):
+    publish(tmp_path, range(6))
+    assert prune_batches(tmp_path, 0, consumed=6, resumable=[]) == []  # a resume would start at step 0
+    assert prune_batches(tmp_path, None, consumed=6, resumable=[5]) == []
+    assert published_batches(tmp_path) == list(range(6))

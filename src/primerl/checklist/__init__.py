@@ -10,6 +10,8 @@ Steps, in order (`--only` / `--skip` pick them by name):
     ports        the TCP ports the run will bind are free
     run_dir      the run directory can be created and written
     model        the model files are present with the pinned hashes
+    memory_fit   each process's peak memory, estimated from the model and the run's sizes (checklist/memory.py),
+                 fits the machine's available memory (and GPU memory); printed beside it
     environment  the rl stage's environment loads with the recipe's `env.args` and yields a task
     sft_trainer  `primerl sft` trains one micro-step of configs/debug/fake/sft.toml and saves (recipes with an sft
                  stage, on the recipe's model; without a recipe on the fake config's own model)
@@ -34,7 +36,7 @@ can hit: they run as long as the child processes make progress -- new output in 
 child and everything it started -- and fail only after `--stall-timeout` seconds (default 300) without either, naming
 what they were doing. A slow machine slows a child down but it keeps spending CPU; a stuck one does neither.
 
-Modules: `context` (a step, what it sees, Skip and Fail), `machine` (the light steps), `heavy` (the steps that run
-primerl commands), `steps` (their order), `runner` (running them), `report` (results, table, JSON). The command line is
+Modules: `context` (a step, what it sees, Skip and Fail), `machine` (the light steps), `memory` (the memory
+estimate), `heavy` (the steps that run primerl commands), `steps` (their order), `runner` (running them), `report` (results, table, JSON). The command line is
 `primerl.commands.check`.
 """

@@ -45,6 +45,7 @@ class Context:
     say: Callable[[str], None]
     stall_timeout_s: float = STALL_TIMEOUT_S
     stopping: threading.Event = field(default_factory=threading.Event)  # set on Ctrl-C: the steps stop their children
+    peaks: dict[str, float] = field(default_factory=dict)  # peak resident bytes of a heavy step's child, by step
     _torch: dict[str, Any] | None = field(default=None, repr=False)
 
     def torch_facts(self) -> dict[str, Any]:

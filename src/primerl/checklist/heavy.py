@@ -59,7 +59,21 @@ def _run_fake_trainer(ctx: Context, name: str, command: str, fake_config: str, m
     override.write_text(tomli_w.dumps({**micro, **({"model": model} if model is not None else {})}))
     _run_command(ctx, name, [command, "@", str(config), "@", str(override), "--run_dir", str(work)])
     on = f" on {model['name']}" if model is not None else ""
-    return f"primerl {command} @ {fake_config}: one micro-step{on}, saved"
+    peak = f", peak resident {ctx.peaks[name] / 2**20:.0f} MB" if name in ctx.peaks else ""
+    return f"primerl {command} @ {fake_config}: one micro-step{on}, saved{peak}{_against_estimate(ctx, name, model)}"
+
+
+def _against_estimate(ctx: Context, name: str, model: dict[str, Any] | None) -> str:
+    """The measured micro-step beside `primerl.checklist.memory`'s estimate for the same sizes (RL trainer only)."""
+    from primerl.checklist.memory import ModelShape, trainer_need
+    from primerl.models import resolve_model
+
+    if name != "rl_trainer" or name not in ctx.peaks:
+        return ""
+    shape = ModelShape.read(resolve_model(model["name"] if model else "tiny", (model or {}).get("revision"),
+                                          progress=False))
+    need = trainer_need(shape, MICRO_RL["data"]["fake_seq_len"], 1, False, False, 4096)
+    return f" (estimated {need.host_bytes / 2**20:.0f} MB for these sizes)"
 
 
 def _recipe_model(ctx: Context) -> dict[str, Any] | None:
@@ -145,10 +159,14 @@ def _run_command(ctx: Context, name: str, args: Sequence[str]) -> None:
     """Run `primerl <args>` with its output in `<log dir>/<name>.log`, printing progress; Fail on error, or when it
     makes no progress for `ctx.stall_timeout_s`."""
     proc = ManagedProcess(name, primerl_command(*args), ctx.log_dir / f"{name}.log", env=child_environment())
+    from primerl.checklist.memory import peak_rss_bytes
+
     proc.start()
     watch = ProgressWatch(proc, ctx.stall_timeout_s)
     try:
         while proc.poll() is None:
+            if (peak := peak_rss_bytes(proc.pid)) is not None:  # the high-water mark: its last reading is the peak
+                ctx.peaks[name] = max(peak, ctx.peaks.get(name, 0.0))
             _follow(ctx, watch, f"running primerl {args[0]}")
             time.sleep(0.5)
     finally:

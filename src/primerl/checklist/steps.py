@@ -27,6 +27,7 @@ from primerl.checklist.machine import (
     check_run_dir,
     check_torch,
 )
+from primerl.checklist.memory import check_memory_fit
 from primerl.config.checklist import STEP_NAMES
 
 STEPS: tuple[Step, ...] = (
@@ -38,6 +39,7 @@ STEPS: tuple[Step, ...] = (
     Step("ports", "the ports the run binds are free", 10, check_ports),
     Step("run_dir", "the run directory is writable", 30, check_run_dir),
     Step("model", "model files present with the pinned hashes", 1800, check_model),
+    Step("memory_fit", "each process's estimated peak memory fits what the machine has", 60, check_memory_fit),
     Step("environment", "the rl stage's environment loads with the recipe's env.args", 330, check_environment),
     Step("sft_trainer", f"primerl sft trains one micro-step of {FAKE_SFT_CONFIG} and saves",
          None, check_sft_trainer, writes_logs=True, concurrent=True),

@@ -5,5 +5,5 @@ order; the names live here so that configs can check them without importing the 
 
 from __future__ import annotations
 
-STEP_NAMES = ("python", "torch", "flash_attn", "disk", "memory", "ports", "run_dir", "model", "environment",
-              "sft_trainer", "rl_trainer", "inference", "rl_smoke")
+STEP_NAMES = ("python", "torch", "flash_attn", "disk", "memory", "ports", "run_dir", "model", "memory_fit",
+              "environment", "sft_trainer", "rl_trainer", "inference", "rl_smoke")

@@ -41,6 +41,11 @@ class TrainingConfig(Section):
     logprob_chunk_tokens: int = Field(
         4096, ge=1, description="tokens per chunk of the fused lm-head/log-prob pass (bounds the logits in memory)"
     )
+    width_multiple: int = Field(
+        64, ge=1, description="the columns of a micro-batch (its padding trimmed) and the tokens of the log-prob head "
+        "are rounded up to a multiple of this: a CPU backend caches a kernel for every new shape, so a long run with "
+        "every width its own would grow (1: no rounding)",
+    )
     seed: int = Field(0, description="seed for initialisation of new parameters (LoRA) and fake data")
     deterministic: bool = Field(
         False, description="torch.use_deterministic_algorithms(True) (`rl --deterministic` sets it)"
@@ -98,6 +103,11 @@ class CheckpointConfig(Section):
 
     interval: int | None = Field(None, ge=1, description="save every this many steps (None: only at the end)")
     keep_last: int | None = Field(2, ge=1, description="keep the newest this many checkpoints (None: all)")
+    keep_rollouts: int | None = Field(
+        100, ge=0, description="RL: of the rollout batches (`rollouts/step_<n>/`) that no resume can read again "
+        "(trained on, and older than every checkpoint kept), keep the newest this many and remove the rest, so a long "
+        "run's directory stays bounded (None: keep all)",
+    )
     resume: int | Literal["latest"] | None = Field(
         None, description="resume from checkpoint step k, or the latest complete one"
     )

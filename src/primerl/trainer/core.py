@@ -32,6 +32,7 @@ from primerl.config.trainer import (
     TrainingConfig,
     WeightsConfig,
 )
+from primerl.cpu import trim_freed_memory
 from primerl.monitor import MetricsLogger, format_line
 from primerl.trainer import dist as tdist
 from primerl.trainer.ckpt import Checkpointer
@@ -131,10 +132,13 @@ def micro_batches(
     return out
 
 
-def trimmed_width(sample_index: Tensor) -> int:
-    """Columns up to the last one that holds a token in some row (rows are padded at their tail only)."""
+def trimmed_width(sample_index: Tensor, multiple: int = 1) -> int:
+    """Columns up to the last one that holds a token in some row (rows are padded at their tail only), rounded up to
+    a multiple of `multiple` (at most all the columns): a CPU backend (oneDNN) caches a kernel for every new shape it
+    sees, so a long run should show it few."""
     used = (sample_index >= 0).any(dim=0).nonzero()
-    return int(used[-1]) + 1 if len(used) else 1
+    width = int(used[-1]) + 1 if len(used) else 1
+    return min(-(-width // multiple) * multiple, sample_index.shape[-1])
 
 
 def sample_lengths(batch: list[MicroBatch]) -> list[int]:
@@ -226,7 +230,7 @@ class Trainer:
     def forward(self, mb: MicroBatch, temperature: float, policy: Policy | None = None) -> PolicyOutput:
         """Log-probs and entropies of `policy` (default: the one trained) at the micro-batch's loss tokens (0
         elsewhere); columns that are padding in every row are left out of the forward."""
-        used = trimmed_width(mb["sample_index"])
+        used = trimmed_width(mb["sample_index"], self.parts.train.width_multiple)
         policy = self.policy if policy is None else policy
         with policy.autocast(self.device):
             out = policy(
@@ -328,6 +332,8 @@ class Trainer:
             start = time.perf_counter()
             self.checkpointer.save(step, self.policy, self.optimizer, self.scheduler, data_state)
             metrics["checkpoint_s"] = time.perf_counter() - start
+        if trimmed := trim_freed_memory():  # the step's gradients, copies and logits are free by now
+            metrics["heap_trimmed_gb"] = trimmed / 1e9
         record = self.metrics.log(step, metrics)
         if self.dist.is_main:
             log.info(format_line(step, record, CONSOLE_KEYS))

@@ -120,10 +120,11 @@ class Policy(nn.Module):
 
     def __init__(
         self, lm: nn.Module, attention: str, compute_dtype: torch.dtype, chunk_tokens: int,
-        backward_dtype: torch.dtype | None = None,
+        backward_dtype: torch.dtype | None = None, width_multiple: int = 1,
     ):
         super().__init__()
         self.lm = lm
+        self.width_multiple = width_multiple  # the head's token count is rounded up to it (few shapes for oneDNN)
         self.attention = attention
         self.compute_dtype = compute_dtype
         self.backward_dtype = backward_dtype or compute_dtype
@@ -168,11 +169,18 @@ class Policy(nn.Module):
         if wanted is not None:
             predicted &= wanted.bool()
         rows, columns = predicted.nonzero(as_tuple=True)
+        count = len(rows)
+        # the head sees a multiple of `width_multiple` tokens (the last one repeated, its results dropped): a CPU
+        # backend caches a kernel per shape, and one per distinct count would add up over a long run
+        extra = -count % self.width_multiple if count else 0
+        head_rows, head_columns = (torch.cat([rows, rows[-1:].expand(extra)]),
+                                   torch.cat([columns, columns[-1:].expand(extra)])) if extra else (rows, columns)
         weight = causal_lm.get_output_embeddings().weight
         logprobs, entropy = fused_logprobs(
-            hidden[rows, previous[rows, columns]], weight, input_ids[rows, columns], temperature, self.chunk_tokens,
-            self.compute_dtype, self.backward_dtype,
+            hidden[head_rows, previous[head_rows, head_columns]], weight, input_ids[head_rows, head_columns],
+            temperature, self.chunk_tokens, self.compute_dtype, self.backward_dtype,
         )
+        logprobs, entropy = logprobs[:count], entropy[:count]
         full = torch.zeros(input_ids.shape, dtype=logprobs.dtype, device=logprobs.device)
         return PolicyOutput(
             logprobs=full.index_put((rows, columns), logprobs),
@@ -216,7 +224,8 @@ def build_policy(
     if lora_cfg.enabled:
         lm = _add_lora(lm, lora_cfg, train_cfg.seed)
     backward_dtype = backward_dtype_for(train_cfg.backward_dtype, compute_dtype, device)
-    policy = Policy(lm, attention, compute_dtype, train_cfg.logprob_chunk_tokens, backward_dtype)
+    policy = Policy(lm, attention, compute_dtype, train_cfg.logprob_chunk_tokens, backward_dtype,
+                    train_cfg.width_multiple)
     policy.train()
     if train_cfg.compile:
         for layer in policy.decoder_layers:

@@ -35,7 +35,14 @@ from primerl.trainer.loss import (
 from primerl.trainer.model import PolicyOutput
 from primerl.trainer.optim import allocate_state
 from primerl.trainer.reference import build_reference, fill_reference_logprobs, reference_kl
-from primerl.transport.rollouts import Sample, pack_samples, read_batch, split_rows, wait_for_batch
+from primerl.transport.rollouts import (
+    Sample,
+    pack_samples,
+    prune_batches,
+    read_batch,
+    split_rows,
+    wait_for_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +154,8 @@ def train(cfg: TrainerConfig) -> None:
             step += 1
             is_last = cfg.train.max_steps is not None and step >= cfg.train.max_steps
             trainer.finish_step(step, metrics, {"next_rollout_step": step}, is_last)
+            if trainer.dist.is_main and not cfg.data.fake:
+                prune_batches(cfg.run_dir, cfg.ckpt.keep_rollouts, step, trainer.checkpointer.complete_steps())
     finally:
         trainer.close()
 
