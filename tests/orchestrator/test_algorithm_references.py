@@ -34,9 +34,10 @@ from primerl.config.rl import RLConfig
 from primerl.orchestrator.advantages import Scorer, grpo, rloo
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.filters import GroupFilters
-from primerl.orchestrator.loop import Orchestrator, PolicyTracker, score_group
+from primerl.orchestrator.loop import Orchestrator, PolicyTracker
 from primerl.orchestrator.sampler import DifficultyTaskSampler, TaskStream, task_sampler
 from primerl.orchestrator.shaping import RewardShaping, overlong_penalty
+from primerl.orchestrator.steps import score_group
 from primerl.orchestrator.teacher import TeacherError, prompt_logprobs_of
 
 REWARDS = [0.25, 1.0, 0.0, 0.75, 0.5]

@@ -10,9 +10,10 @@ import pytest
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import read_metrics
 from primerl.orchestrator.client import InferencePool
-from primerl.orchestrator.loop import Orchestrator, PolicyTracker, score_group
+from primerl.orchestrator.loop import Orchestrator, PolicyTracker
 from primerl.orchestrator.rollouts import Sample
 from primerl.orchestrator.sampler import TaskStream
+from primerl.orchestrator.steps import score_group
 from primerl.transport.rollouts import read_batch
 
 

@@ -2,7 +2,7 @@
 
 from dataclasses import asdict, dataclass
 
-from primerl.orchestrator.loop import Progress, load_progress, resume_progress, save_progress, saved_steps
+from primerl.orchestrator.progress import Progress, load_progress, resume_progress, save_progress, saved_steps
 from primerl.orchestrator.sampler import TaskStream
 from primerl.transport.rollouts import Sample, write_batch
 

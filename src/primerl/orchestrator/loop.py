@@ -23,14 +23,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
-import shutil
-import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +37,10 @@ from primerl.orchestrator import rollouts as bridge
 from primerl.orchestrator.algorithm import Algorithm
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
+from primerl.orchestrator.progress import Progress, resume_progress, save_progress
 from primerl.orchestrator.sampler import task_sampler
 from primerl.orchestrator.scheduler import PolicyBound
+from primerl.orchestrator.steps import Group, StepStats, score_group, step_metrics, to_batch_sample, trainable
 from primerl.orchestrator.workers import WorkerFailed, WorkerPool, open_groups, worker_count
 from primerl.storage import storage_failure
 from primerl.transport import rollouts as batches
@@ -50,90 +48,11 @@ from primerl.transport import snapshots
 
 log = logging.getLogger("primerl.orchestrator")
 
-CHECKPOINTS_DIR = "checkpoints"
-ROLE = "orchestrator"
-STATE_FILE = "state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 MAX_FAILED_GROUPS_IN_A_ROW = 16  # groups whose every rollout errored, in a row, before the orchestrator gives up
 
 
 class RolloutsFailing(RuntimeError):
     """Every rollout of `MAX_FAILED_GROUPS_IN_A_ROW` groups in a row failed: the run cannot produce a batch."""
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Progress that survives a restart
-
-
-@dataclass
-class Progress:
-    """What `--resume` restores: the next step to write, how many tasks were drawn, which of those were still in
-    flight (their groups in no published batch yet: drawn again first, in order), and the running totals."""
-
-    next_step: int = 0
-    tasks_drawn: int = 0
-    tasks_in_flight: list[int] = field(default_factory=list)  # draw indices (0-based)
-    groups_dropped_zero_advantage: int = 0
-    samples_dropped_off_policy: int = 0
-    rollouts: int = 0
-    sampler: dict[str, Any] = field(default_factory=dict)  # the task sampler's state (`sampler.task_sampler`)
-
-
-def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINTS_DIR / f"step_{step}" / ROLE
-
-
-def saved_steps(run_dir: Path) -> list[int]:
-    root = run_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
-    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / ROLE / STATE_FILE).is_file())
-
-
-def save_progress(run_dir: Path, progress: Progress, keep_last: int) -> Path:
-    """Write `checkpoints/step_<next_step>/orchestrator/` (temp name, then rename) and prune older ones."""
-    final = checkpoint_path(run_dir, progress.next_step)
-    tmp = final.with_name(ROLE + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    (tmp / STATE_FILE).write_text(json.dumps(asdict(progress), indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    for step in saved_steps(run_dir)[:-keep_last]:
-        shutil.rmtree(checkpoint_path(run_dir, step), ignore_errors=True)
-        step_dir = checkpoint_path(run_dir, step).parent
-        if step_dir.is_dir() and not any(step_dir.iterdir()):
-            step_dir.rmdir()
-    return final
-
-
-def load_progress(run_dir: Path) -> Progress | None:
-    steps = saved_steps(run_dir)
-    if not steps:
-        return None
-    return Progress(**json.loads((checkpoint_path(run_dir, steps[-1]) / STATE_FILE).read_text()))
-
-
-def published_steps(run_dir: Path) -> list[int]:
-    root = run_dir / batches.ROLLOUTS_DIR
-    if not root.is_dir():
-        return []
-    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
-    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / batches.META_FILE).is_file())
-
-
-def resume_progress(run_dir: Path) -> Progress:
-    """The progress to continue from: the newest checkpoint, or the progress recorded with a batch published after it
-    (a batch already on disk is never rewritten: a resumed trainer may be reading it)."""
-    progress = load_progress(run_dir) or Progress()
-    published = published_steps(run_dir)
-    if published and published[-1] >= progress.next_step:
-        meta = json.loads((run_dir / batches.ROLLOUTS_DIR / f"step_{published[-1]}" / batches.META_FILE).read_text())
-        recorded = meta.get("extra", {}).get("progress")
-        progress = Progress(**recorded) if recorded else progress
-        progress.next_step = published[-1] + 1
-    return progress
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -169,86 +88,6 @@ class PolicyTracker:
         while True:
             await self.load_newest()
             await asyncio.sleep(self.poll_s)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Groups and batches
-
-
-@dataclass
-class Group:
-    """The scored rollouts of one task. `samples` are the bridge's samples (one or more per rollout); `rewards` has one
-    entry per rollout (trace) that finished, failed ones included (they count in the reward metrics); `advantages` has
-    one per rollout in the baseline, `scored_rewards` its (shaped) reward and `sample_advantages` each sample's own
-    (`score`); `teacher_logprobs` are the teacher's scores of the samples by `id(sample)` (distillation)."""
-
-    task_id: str | None
-    samples: list[Any]
-    rewards: list[float]
-    advantages: dict[str, float]
-    seconds: float
-    draw: int = -1  # the task's draw index (TaskStream.next)
-    teacher_logprobs: dict[int, list[float]] = field(default_factory=dict)
-    scored_rewards: dict[str, float] = field(default_factory=dict)
-    sample_advantages: list[Any] = field(default_factory=list)
-
-    @property
-    def failed(self) -> bool:
-        return all(s.error is not None for s in self.samples)
-
-    def score(self, scorer) -> None:
-        """Advantages over the rollouts now in the group that did not fail (`advantages.Scorer`); after stale samples
-        are dropped, the rollouts that remain are scored again among themselves."""
-        scored = scorer(self.samples, self.teacher_logprobs)
-        self.advantages, self.scored_rewards, self.sample_advantages = (
-            scored.advantages, scored.rewards, scored.sample_advantages)
-
-
-def score_group(task_id: str | None, samples: Sequence[Any], scorer, seconds: float,
-                teacher_logprobs: dict[int, list[float]] | None = None) -> Group:
-    """Advantages per rollout: the bridge may cut one rollout (trace) into several samples; they share its reward."""
-    by_trace: dict[str, float] = {}
-    for s in samples:
-        by_trace.setdefault(s.trace_id, float(s.reward))
-    group = Group(task_id, list(samples), list(by_trace.values()), {}, seconds,
-                  teacher_logprobs=dict(teacher_logprobs or {}))
-    group.score(scorer)
-    return group
-
-
-def trainable(sample: Any) -> bool:
-    return bool(sample.input_ids) and any(sample.loss_mask)
-
-
-def to_batch_sample(sample: Any, advantage: float) -> batches.Sample:
-    return batches.Sample(
-        input_ids=list(sample.input_ids),
-        loss_mask=list(sample.loss_mask),
-        inference_logprobs=list(sample.inference_logprobs),
-        advantages=advantage,
-        policy_versions=tuple(sample.policy_versions),
-        version_segments=[list(run) for run in sample.version_segments],
-        env=sample.env,
-    )
-
-
-@dataclass
-class StepStats:
-    """What happened while one step was the next to write: groups that finished but were not used (zero advantage,
-    failed), samples dropped as too old, time spent waiting for the policy."""
-
-    started: float = field(default_factory=time.monotonic)
-    cpu_started: float = field(default_factory=time.process_time)
-    workers_cpu_started: float | None = None
-    unused_groups: list[Group] = field(default_factory=list)
-    groups_dropped: dict[str, int] = field(default_factory=dict)  # by the type of the filter that dropped them
-    samples_dropped_off_policy: int = 0
-    samples_too_long: int = 0
-    wait_for_policy_s: float = 0.0
-
-
-def _mean(values: Sequence[float]) -> float | None:
-    return statistics.fmean(values) if values else None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -477,52 +316,15 @@ class Orchestrator:
 
     def _step_metrics(self, step: int, groups: list[Group], samples: list[batches.Sample], meta: dict,
                       write_s: float) -> dict[str, Any]:
-        """Rewards, lengths, truncation and errors are over every rollout of the batch plus the rollouts dropped
-        while this step was being filled (so dropping groups of perfect scores does not hide progress)."""
-        stats = self.stats
-        step_s = time.monotonic() - stats.started
-        seen = groups + stats.unused_groups
-        rewards = [r for g in seen for r in g.rewards]
-        rollouts = [s for g in seen for s in g.samples]  # every sample: a rollout cut in several has several
-        per_rollout = bridge.rollout_means([r for g in seen for r in bridge.rollout_records(g.samples)])
-        lags = [step - s.policy_versions[0] for s in samples]
-        step_tokens = sum(sum(s.loss_mask) for s in samples)
-        self.sampled_tokens_this_run += step_tokens
-        elapsed = time.monotonic() - self.generation_started
-        return {
-            "reward_mean": _mean(rewards),
-            "reward_std": statistics.pstdev(rewards) if rewards else None,
-            "reward_min": min(rewards, default=None),
-            "reward_max": max(rewards, default=None),
-            "batch_reward_mean": _mean([r for g in groups for r in g.rewards]),
-            "samples": len(samples),
-            **per_rollout,  # rollouts, turns, completion_len, truncated_frac, metric/<name>: per rollout
-            "seq_len_mean": _mean([len(s.input_ids) for s in samples]),
-            "samples_too_long": stats.samples_too_long,
-            "errors": sum(s.error is not None for s in rollouts),
-            **{f"groups_dropped_{name}": stats.groups_dropped.get(name, 0) for name in self.algorithm.filters.names},
-            "samples_dropped_off_policy": stats.samples_dropped_off_policy,
-            "policy_version": self.policy.version,
-            "policy_lag_mean": _mean(lags),
-            "policy_lag_max": max(lags, default=None),
-            "oldest_policy_version": min((s.policy_versions[0] for s in samples), default=None),
-            "samples_spanning_updates": sum(s.policy_versions[0] != s.policy_versions[1] for s in samples),
-            "step_s": step_s,
-            "cpu_s": time.process_time() - stats.cpu_started,
-            "workers_cpu_s": self._workers_cpu_since(stats),
-            "wait_for_policy_s": stats.wait_for_policy_s,
-            "write_s": write_s,
-            "weight_update_s": self.policy.last_update_s,
-            "rollouts_per_s": self.rollouts_this_run / elapsed if elapsed > 0 else None,
-            "tokens_per_s": self.sampled_tokens_this_run / elapsed if elapsed > 0 else None,
-            "step_tokens_per_s": step_tokens / step_s if step_s > 0 else None,  # this step's alone
-            "rows": meta["rows_per_rank"] * meta["num_ranks"],
-            "loss_tokens": meta["num_loss_tokens"],
-            "rollouts_total": self.progress.rollouts,
-            **self.algorithm.step_metrics(groups),
-            **self.tasks.metrics(),
-        }
-
+        self.sampled_tokens_this_run += sum(sum(s.loss_mask) for s in samples)
+        return step_metrics(
+            step, groups, samples, meta, self.stats, write_s=write_s, filter_names=self.algorithm.filters.names,
+            policy_version=self.policy.version, weight_update_s=self.policy.last_update_s,
+            workers_cpu_s=self._workers_cpu_since(self.stats), rollouts_this_run=self.rollouts_this_run,
+            sampled_tokens_this_run=self.sampled_tokens_this_run,
+            generation_s=time.monotonic() - self.generation_started, rollouts_total=self.progress.rollouts,
+            algorithm_metrics=self.algorithm.step_metrics(groups), sampler_metrics=self.tasks.metrics(),
+        )
 
 def main(argv: list[str] | None = None) -> int:
     cfg = config_from_argv(OrchestratorConfig, argv, prog="primerl orchestrator")
