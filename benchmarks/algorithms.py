@@ -84,7 +84,7 @@ def check_configs(combinations: list[Combination]) -> None:
     """Resolve every run's config before anything starts (one bad key must not end an hour-long benchmark late)."""
     from primerl.config import load
     from primerl.config.rl import RLConfig
-    from primerl.recipes.schema import load_recipe, validate_stage
+    from primerl.recipes.stages import load_recipe, validate_stage
 
     recipe = load_recipe(RECIPE)
     for combination in combinations:

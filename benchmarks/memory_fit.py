@@ -26,7 +26,7 @@ from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
 
 from primerl.checklist.memory import ModelShape, estimate_rl
 from primerl.models import resolve_model
-from primerl.recipes.schema import load_recipe, validate_stage
+from primerl.recipes.stages import load_recipe, validate_stage
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = 0.15

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from primerl.checklist.memory import ModelShape, available_bytes, estimate_rl, fit_line, inference_need
 from primerl.models import resolve_model
-from primerl.recipes.schema import load_recipe, validate_stage
+from primerl.recipes.stages import load_recipe, validate_stage
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RECIPE = ROOT / "recipes" / "tiny.toml"

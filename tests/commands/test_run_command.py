@@ -19,6 +19,7 @@ from primerl.commands.run import run_checks
 from primerl.recipes import load_recipe
 from primerl.recipes.manifest import read_manifest
 from primerl.recipes.plan import plan_run
+from primerl.recipes.stages import with_overrides
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_RECIPE = ROOT / "recipes" / "tiny.toml"
@@ -34,13 +35,13 @@ def test_the_checklist_checks_the_environment_with_the_command_lines_args(tmp_pa
     recipe = load_recipe(TINY_RECIPE)
     overrides = {"rl": {"orchestrator": {"env": {"args": {"reverse": "letters"}}}}}
     plan = plan_run(recipe, tmp_path / "run", overrides, progress=None)
-    code = run_checks(plan, recipe.with_overrides(overrides), "primerl run", steps=ENVIRONMENT_STEP)
+    code = run_checks(plan, with_overrides(recipe, overrides), "primerl run", steps=ENVIRONMENT_STEP)
     assert code == 1
     report = json.loads((tmp_path / "run" / "checklist.json").read_text())
     (step,) = report["steps"]
     assert step["status"] == "failed" and "letters" in step["detail"], step
     plan = plan_run(recipe, tmp_path / "plain", progress=None)
-    assert run_checks(plan, recipe.with_overrides({}), "primerl run", steps=ENVIRONMENT_STEP) == {
+    assert run_checks(plan, with_overrides(recipe, {}), "primerl run", steps=ENVIRONMENT_STEP) == {
         "environment": "passed"}
 
 

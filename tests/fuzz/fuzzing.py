@@ -365,7 +365,8 @@ def fuzz_recipe_loader(budget: int, tally: LoaderTally, base_recipe: Path) -> No
     """Recipes: `base_recipe` (one without includes) with keys replaced by odd values or dropped, or random text."""
     import tomllib
 
-    from primerl.recipes.schema import RecipeError, load_recipe
+    from primerl.recipes.schema import RecipeError
+    from primerl.recipes.stages import load_recipe
 
     base = tomllib.loads(base_recipe.read_text())
     keys = _dotted_keys(base) + ["recipe.hardware.gpus_per_node", "rl.max_steps", "pins.nonsense"]

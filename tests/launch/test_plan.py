@@ -15,7 +15,7 @@ import tomli_w
 
 from primerl.launch.plan import PlanError, build_plan, load_deploy
 from primerl.launch.slurm import render
-from primerl.recipes.schema import load_recipe
+from primerl.recipes.stages import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny.toml"

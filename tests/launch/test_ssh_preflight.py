@@ -15,7 +15,7 @@ from primerl.launch.host_software import describe_sync, sync_environment
 from primerl.launch.plan import PlanError, build_plan, load_deploy
 from primerl.launch.progress import root_cause
 from primerl.launch.ssh import SshTarget
-from primerl.recipes.schema import load_recipe
+from primerl.recipes.stages import load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "tiny.toml"

@@ -20,7 +20,7 @@ from primerl.recipes.replay import (
     read_steps,
     replay_config,
 )
-from primerl.recipes.schema import load_recipe
+from primerl.recipes.stages import load_recipe
 
 
 def figures(step: int, **changes) -> StepFigures:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from recipe_helpers import TINY_RECIPE, primerl
 
-from primerl.recipes.schema import load_recipe, validate_stage
+from primerl.recipes.stages import load_recipe, validate_stage
 
 
 def fake_run(run_dir: Path, **pin_changes: dict) -> Path:

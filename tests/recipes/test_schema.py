@@ -10,7 +10,8 @@ from recipe_helpers import RECIPES, ROOT, TINY_RECIPE, primerl
 
 from primerl.config import ConfigError, load
 from primerl.recipes import CAPABILITIES, RecipeError, UnsupportedCapabilityError, is_recipe, load_recipe
-from primerl.recipes.schema import recipe_in_argv, stage_values
+from primerl.recipes.schema import recipe_in_argv
+from primerl.recipes.stages import stage_values, with_overrides
 
 RECIPE_FILES = sorted(RECIPES.glob("*.toml"))
 CONFIG_FILES = sorted((ROOT / "configs").rglob("*.toml"))
@@ -179,16 +180,17 @@ def test_a_stage_revision_that_contradicts_the_pin_is_refused(tmp_path):
 
 
 def test_with_overrides_is_the_recipe_as_a_run_with_them_resolves_it():
-    from primerl.recipes.schema import validate_stage
+    from primerl.recipes.stages import validate_stage
 
     recipe = load_recipe(TINY_RECIPE)
-    changed = recipe.with_overrides({"rl": {"max_steps": "7", "orchestrator": {"env": {"args": {"reverse": "words"}}}}})
+    overrides = {"rl": {"max_steps": "7", "orchestrator": {"env": {"args": {"reverse": "words"}}}}}
+    changed = with_overrides(recipe, overrides)
     assert validate_stage(changed, "rl").max_steps == 7
     assert validate_stage(changed, "rl").orchestrator.env.args == {"reverse": "words"}
     smoke = validate_stage(changed, "rl", smoke=True)  # the smoke variant stays a smoke variant, with the env args
     assert smoke.max_steps == 2 and smoke.orchestrator.env.args == {"reverse": "words"}
     assert validate_stage(recipe, "rl").max_steps == 3 and recipe.overrides == {}  # the recipe itself is unchanged
     with pytest.raises(RecipeError, match=r"'max_steps'.*from --rl.max_steps on the command line"):
-        recipe.with_overrides({"rl": {"max_steps": "many"}})
+        with_overrides(recipe, {"rl": {"max_steps": "many"}})
     with pytest.raises(RecipeError, match="stages the recipe does not have: sft"):
-        recipe.with_overrides({"sft": {"max_steps": "1"}})
+        with_overrides(recipe, {"sft": {"max_steps": "1"}})

@@ -18,7 +18,7 @@ from primerl.checklist.context import Context, Fail, Skip
 from primerl.launch.processes import ManagedProcess, child_environment, primerl_command, stop_all
 from primerl.launch.progress import ProgressWatch, last_line, root_cause
 from primerl.ports import free_port
-from primerl.recipes.schema import validate_stage
+from primerl.recipes.stages import validate_stage
 
 FAKE_SFT_CONFIG = "configs/debug/fake/sft.toml"
 FAKE_RL_CONFIG = "configs/debug/fake/rl.toml"

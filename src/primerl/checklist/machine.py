@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from primerl.checklist.context import Context, Fail, Skip, python_child
-from primerl.recipes.schema import stage_values, validate_stage
+from primerl.recipes.stages import stage_values, validate_stage
 
 
 def check_python(ctx: Context) -> str:

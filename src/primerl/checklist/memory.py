@@ -200,7 +200,7 @@ def check_memory_fit(ctx: Any) -> str:
     sum with MemAvailable (and each GPU process's with the GPU's memory); Fail in one line when it will not fit."""
     from primerl.checklist.context import Fail, Skip
     from primerl.models import resolve_model
-    from primerl.recipes.schema import validate_stage
+    from primerl.recipes.stages import validate_stage
 
     if ctx.recipe is None:
         raise Skip("no recipe given: no sizes to estimate from")

@@ -21,7 +21,8 @@ from primerl.checklist.report import write_report
 from primerl.checklist.runner import CHECKLIST_LOGS, run_checklist
 from primerl.checklist.steps import STEPS, select_steps
 from primerl.config.checklist import STEP_NAMES
-from primerl.recipes.schema import RecipeError, load_recipe
+from primerl.recipes.schema import RecipeError
+from primerl.recipes.stages import load_recipe
 
 DEFAULT_RUN_DIR = Path("runs/check")
 

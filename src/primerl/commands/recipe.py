@@ -18,7 +18,8 @@ from pathlib import Path
 
 from primerl.recipes.manifest import manifest_differences, read_manifest
 from primerl.recipes.pins import compute_pins, format_checks, stderr_progress, verify_pins
-from primerl.recipes.schema import RecipeError, load_recipe
+from primerl.recipes.schema import RecipeError
+from primerl.recipes.stages import load_recipe
 from primerl.recipes.tomledit import TomlEditError, replace_tables
 
 

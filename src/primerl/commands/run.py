@@ -38,7 +38,8 @@ from primerl.launch.restart import restarts_of_run
 from primerl.recipes.manifest import MANIFEST_FILE, now, write_manifest
 from primerl.recipes.pins import format_checks
 from primerl.recipes.plan import RunPlan, plan_run, stage_overrides, start_run
-from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, load_recipe, recipe_in_argv, validate_stage
+from primerl.recipes.schema import Recipe, RecipeError, recipe_in_argv
+from primerl.recipes.stages import STAGE_KINDS, load_recipe, validate_stage, with_overrides
 
 CHECK_FAILED_EXIT_CODE = 1
 INTERRUPTED_EXIT_CODE = 130
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None, prog: str = "primerl run") -> int:
             if "rl" not in recipe.stages:
                 raise RecipeError(f"--deterministic applies to an RL stage; recipe '{recipe.name}' has none")
             overrides.setdefault("rl", {})["deterministic"] = "true"
-        checked = recipe.with_overrides(overrides)  # what the checklist checks: the recipe as this run resolves it
+        checked = with_overrides(recipe, overrides)  # what the checklist checks: the recipe as this run resolves it
         run_dir = (args.run_dir or Path("runs") / recipe.name).resolve()
         if args.dry_run:
             print(describe_plan(checked, run_dir, smoke=args.smoke))

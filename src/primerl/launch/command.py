@@ -40,7 +40,8 @@ def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest 
     from primerl.config import ConfigError
     from primerl.launch.plan import PlanError, load_deploy
     from primerl.recipes.plan import stage_overrides
-    from primerl.recipes.schema import RecipeError, load_recipe
+    from primerl.recipes.schema import RecipeError
+    from primerl.recipes.stages import load_recipe
 
     prog = f"primerl launch {target}"
     parser = argparse.ArgumentParser(prog=prog, description=describe)

@@ -35,7 +35,8 @@ from primerl.config.loader import ConfigError, Layers, read_toml, validate
 from primerl.launch.console import count
 from primerl.launch.images import PROJECT_ROOT
 from primerl.multicast import multicast_off
-from primerl.recipes.schema import Recipe, RecipeError, validate_stage
+from primerl.recipes.schema import Recipe, RecipeError
+from primerl.recipes.stages import validate_stage
 from primerl.transport.weight_transfer.modes import Unsupported, transfer_mode
 
 ADMIN_TOKEN_FILE = "config/admin_token"

@@ -13,9 +13,9 @@ from primerl.recipes.schema import (
     RecipeError,
     UnsupportedCapabilityError,
     is_recipe,
-    load_recipe,
     recipe_in_argv,
 )
+from primerl.recipes.stages import load_recipe
 
 __all__ = [
     "CAPABILITIES",

@@ -34,7 +34,8 @@ from primerl.recipes.pins import (
     installed_version,
     package_tree_sha256,
 )
-from primerl.recipes.schema import RUN_DIR_VAR, Recipe
+from primerl.recipes.schema import Recipe
+from primerl.recipes.stages import RUN_DIR_VAR
 
 MANIFEST_FILE = "manifest.json"
 SCHEMA_VERSION = 1

@@ -17,7 +17,8 @@ from primerl.config import to_toml
 from primerl.config.loader import closest_option, is_option, parse_args
 from primerl.recipes.manifest import build_manifest, write_manifest
 from primerl.recipes.pins import PinReport, find_lock_file, stderr_progress, verify_pins
-from primerl.recipes.schema import STAGE_KINDS, Recipe, RecipeError, validate_stage
+from primerl.recipes.schema import Recipe, RecipeError
+from primerl.recipes.stages import STAGE_KINDS, validate_stage
 
 DRIFT_EXIT_CODE = 3
 

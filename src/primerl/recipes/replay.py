@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from primerl.recipes.schema import RUN_DIR_VAR, expand
+from primerl.recipes.stages import RUN_DIR_VAR, expand
 
 FIELDS = ("tokens", "reward", "loss", "grad_norm", "weight_checksum")
 EXACT_FIELDS = ("tokens", "weight_checksum")  # digests: equal or not, never "close"
