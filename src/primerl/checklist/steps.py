@@ -28,6 +28,7 @@ from primerl.checklist.machine import (
     check_torch,
 )
 from primerl.checklist.memory import check_memory_fit
+from primerl.config.base import require_known
 from primerl.config.checklist import STEP_NAMES
 
 STEPS: tuple[Step, ...] = (
@@ -53,8 +54,6 @@ STEPS: tuple[Step, ...] = (
 
 
 def select_steps(only: Sequence[str] = (), skip: Sequence[str] = ()) -> list[Step]:
-    unknown = [n for n in (*only, *skip) if n not in STEP_NAMES]
-    if unknown:
-        raise ValueError(f"unknown step(s) {unknown}; steps: {', '.join(STEP_NAMES)}")
+    require_known([*only, *skip], STEP_NAMES, "step(s)", "steps")
     return [s for s in STEPS if (not only or s.name in only) and s.name not in skip]
 

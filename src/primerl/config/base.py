@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import AfterValidator, BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from primerl.config.loader import ENV_NESTED, ENV_PREFIX, FILE_LAYER
+
+
+def require_known(names: Sequence[str], known: Collection[str], what: str, listing: str) -> None:
+    """Raise `ValueError` naming every one of `names` not in `known` (`unknown <what> [...]; <listing>: a, b`)."""
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown {what} {unknown}; {listing}: {', '.join(known)}")
+
+
+def known_names(known: Collection[str], what: str, listing: str) -> AfterValidator:
+    """A field's validator (`Annotated[list[str], known_names(...)]`): each name is one of `known` (`require_known`)."""
+
+    def check(names: list[str]) -> list[str]:
+        require_known(names, known, what, listing)
+        return names
+
+    return AfterValidator(check)
 
 
 class Section(BaseModel):

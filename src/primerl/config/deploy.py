@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import re
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from primerl.config.base import Section
+from primerl.config.base import Section, known_names
 from primerl.config.checklist import STEP_NAMES
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -148,7 +148,9 @@ class DeployConfig(Section):
     hosts: dict[str, HostSection] = Field(default_factory=dict, description="SSH hosts by name")
     roles: RolesSection | None = Field(None, description="ssh: which host runs which process")
     slurm: SlurmSection = Field(default_factory=SlurmSection, description="slurm: the allocation")
-    checklist_skip: list[str] = Field(default_factory=list, description="checklist steps not run on the hosts")
+    checklist_skip: Annotated[list[str], known_names(STEP_NAMES, "checklist step(s)", "steps")] = Field(
+        default_factory=list, description="checklist steps not run on the hosts"
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="ssh: give up connecting to a host after this long")
     known_hosts: str | None = Field(
         None, description="ssh: a known_hosts file checked besides /etc/ssh/ssh_known_hosts and ~/.ssh/known_hosts; "
@@ -172,14 +174,6 @@ class DeployConfig(Section):
         if bad:
             raise ValueError(f"host name(s) {bad} must be letters, digits, '.', '_' or '-'")
         return hosts
-
-    @field_validator("checklist_skip")
-    @classmethod
-    def _known_steps(cls, names: list[str]) -> list[str]:
-        unknown = [n for n in names if n not in STEP_NAMES]
-        if unknown:
-            raise ValueError(f"unknown checklist step(s) {unknown}; steps: {', '.join(STEP_NAMES)}")
-        return names
 
     @model_validator(mode="after")
     def _target_complete(self) -> DeployConfig:

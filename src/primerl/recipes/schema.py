@@ -28,11 +28,11 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from primerl.config.base import Section
+from primerl.config.base import Section, known_names
 
 UNPINNED = "unpinned"
 
@@ -98,7 +98,9 @@ class RecipeInfo(Section):
     name: str = Field(..., pattern=r"^[a-z0-9][a-z0-9.-]*$", description="short name; the default run directory")
     description: str = Field(..., min_length=1, description="one paragraph: what the recipe teaches")
     stages: list[Literal["sft", "rl"]] = Field(..., min_length=1, description="stages, run in this order")
-    requires: list[str] = Field(default_factory=list, description="capabilities the recipe needs (see CAPABILITIES)")
+    requires: Annotated[list[str], known_names(CAPABILITIES, "capabilities", "known")] = Field(
+        default_factory=list, description="capabilities the recipe needs (see CAPABILITIES)"
+    )
     hardware: Hardware = Field(default_factory=Hardware, description="hardware the recipe needs")
 
     @field_validator("stages")
@@ -107,14 +109,6 @@ class RecipeInfo(Section):
         if len(set(stages)) != len(stages):
             raise ValueError(f"stages must not repeat, got {stages}")
         return stages
-
-    @field_validator("requires")
-    @classmethod
-    def _known(cls, requires: list[str]) -> list[str]:
-        unknown = [c for c in requires if c not in CAPABILITIES]
-        if unknown:
-            raise ValueError(f"unknown capabilities {unknown}; known: {', '.join(CAPABILITIES)}")
-        return requires
 
     @model_validator(mode="after")
     def _multi_node_declared(self) -> RecipeInfo:
