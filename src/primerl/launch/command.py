@@ -6,6 +6,7 @@
 
 The deployment comes from the recipe's `[deploy]` table merged with each `--deploy` file's (`primerl.config.deploy`);
 stage options are overridden as in `primerl run`. A bad recipe, deploy key or option is one line and exit code 2.
+This module parses the command line (`parse_request`); the target's module runs it (`launch(request)`).
 """
 
 from __future__ import annotations
@@ -79,5 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] not in TARGETS:
         print(f"primerl launch: unknown target '{argv[0]}'\n\n{_usage()}", file=sys.stderr)
         return USAGE_ERROR
-    module = importlib.import_module(TARGETS[argv[0]][0])
-    return int(module.main(argv[1:]) or 0)
+    module = importlib.import_module(TARGETS[argv[0]][0])  # its `launch(request)` runs the request
+    request = parse_request(argv[0], argv[1:], module.__doc__.splitlines()[0])
+    if isinstance(request, int):
+        return request
+    return int(module.launch(request) or 0)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from primerl.config.deploy import DeployConfig, RolesSection
-from primerl.launch.command import USAGE_ERROR, LaunchRequest, parse_request
+from primerl.launch.command import USAGE_ERROR, LaunchRequest
 from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, build_plan
 from primerl.recipes.schema import Recipe
 
@@ -235,10 +235,3 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
         return EXIT_INTERRUPTED
     finally:
         shell.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    request = parse_request("slurm", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
-    if isinstance(request, int):
-        return request
-    return launch(request)

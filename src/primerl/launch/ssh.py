@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from primerl.config.deploy import DeployConfig
-from primerl.launch.command import USAGE_ERROR, LaunchRequest, parse_request
+from primerl.launch.command import USAGE_ERROR, LaunchRequest
 from primerl.launch.host_software import load_image, sync_environment
 from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RoleProcess, build_plan
 from primerl.launch.processes import Terminated, raise_terminated
@@ -43,7 +43,7 @@ from primerl.launch.progress import root_cause
 from primerl.launch.remote import STOP_LINE
 from primerl.launch.ssh_hosts import HostError, HostKeys, connect
 
-__all__ = ["HostError", "connect", "launch", "main"]  # connect and HostError: the Slurm target's login host too
+__all__ = ["HostError", "connect", "launch"]  # connect and HostError: the Slurm target's login host too
 
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -392,10 +392,3 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
         signal.signal(signal.SIGTERM, previous)
         stop_all(processes, plan.deploy.shutdown_grace_s)
         target.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    request = parse_request("ssh", list(sys.argv[1:] if argv is None else argv), __doc__.splitlines()[0])
-    if isinstance(request, int):
-        return request
-    return launch(request)
