@@ -72,7 +72,7 @@ def test_trains_on_rollouts_and_publishes_weights(tmp_path):
 
 
 def test_the_trainer_prunes_batches_no_resume_can_read_and_a_resume_still_finds_its_own(tmp_path):
-    from primerl.transport.rollouts import published_batches
+    from primerl.transport.checkpoints import published_batches
 
     write_fixed_batches(tmp_path, range(8))
     train(config(tmp_path, "--train.max_steps", "6", "--ckpt.interval", "2", "--ckpt.keep_last", "2",

@@ -5,12 +5,11 @@ import json
 import numpy as np
 import pytest
 
+from primerl.transport.checkpoints import prune_batches, published_batches
 from primerl.transport.rollouts import (
     Sample,
     batch_dir,
     pack_samples,
-    prune_batches,
-    published_batches,
     read_batch,
     split_rows,
     wait_for_batch,

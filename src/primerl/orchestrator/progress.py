@@ -5,18 +5,16 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from primerl.transport import checkpoints
 from primerl.transport import rollouts as batches
 
-CHECKPOINTS_DIR = "checkpoints"
 ROLE = "orchestrator"
 STATE_FILE = "state.json"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 @dataclass
@@ -34,15 +32,11 @@ class Progress:
 
 
 def checkpoint_path(run_dir: Path, step: int) -> Path:
-    return run_dir / CHECKPOINTS_DIR / f"step_{step}" / ROLE
+    return run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}" / ROLE
 
 
 def saved_steps(run_dir: Path) -> list[int]:
-    root = run_dir / CHECKPOINTS_DIR
-    if not root.is_dir():
-        return []
-    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
-    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / ROLE / STATE_FILE).is_file())
+    return checkpoints.complete_steps(run_dir, ROLE, STATE_FILE)
 
 
 def save_progress(run_dir: Path, progress: Progress, keep_last: int) -> Path:
@@ -69,19 +63,11 @@ def load_progress(run_dir: Path) -> Progress | None:
     return Progress(**json.loads((checkpoint_path(run_dir, steps[-1]) / STATE_FILE).read_text()))
 
 
-def published_steps(run_dir: Path) -> list[int]:
-    root = run_dir / batches.ROLLOUTS_DIR
-    if not root.is_dir():
-        return []
-    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
-    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / batches.META_FILE).is_file())
-
-
 def resume_progress(run_dir: Path) -> Progress:
     """The progress to continue from: the newest checkpoint, or the progress recorded with a batch published after it
     (a batch already on disk is never rewritten: a resumed trainer may be reading it)."""
     progress = load_progress(run_dir) or Progress()
-    published = published_steps(run_dir)
+    published = checkpoints.published_batches(run_dir)
     if published and published[-1] >= progress.next_step:
         meta = json.loads((run_dir / batches.ROLLOUTS_DIR / f"step_{published[-1]}" / batches.META_FILE).read_text())
         recorded = meta.get("extra", {}).get("progress")

@@ -35,10 +35,10 @@ from primerl.trainer.loss import (
 from primerl.trainer.model import PolicyOutput
 from primerl.trainer.optim import allocate_state
 from primerl.trainer.reference import build_reference, fill_reference_logprobs, reference_kl
+from primerl.transport.checkpoints import prune_batches
 from primerl.transport.rollouts import (
     Sample,
     pack_samples,
-    prune_batches,
     read_batch,
     split_rows,
     wait_for_batch,

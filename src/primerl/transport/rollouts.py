@@ -375,34 +375,3 @@ def wait_for_batch(
             next_log = now + log_every_s
         time.sleep(poll_interval_s)
     return path, time.monotonic() - start
-
-
-def published_batches(run_dir: str | os.PathLike) -> list[int]:
-    """Steps n whose `rollouts/step_<n>/` is published (its meta.json present), ascending."""
-    root = Path(run_dir) / ROLLOUTS_DIR
-    if not root.is_dir():
-        return []
-    steps = (entry.name.removeprefix("step_") for entry in root.iterdir() if entry.name.startswith("step_"))
-    return sorted(int(n) for n in steps if n.isdigit() and (root / f"step_{n}" / META_FILE).is_file())
-
-
-def prune_batches(run_dir: str | os.PathLike, keep_last: int | None, consumed: int, resumable: list[int]) -> list[int]:
-    """Remove old batches so that a long run's `rollouts/` stays bounded; returns the steps removed.
-
-    Only batches that nothing can read again go: below `consumed` (the trainer has trained on every batch before it)
-    and below the oldest step in `resumable` (the complete trainer checkpoints: a resume from step c reads
-    `rollouts/step_c` onwards, which the orchestrator never writes again). Of those, the newest `keep_last` stay for a
-    person to look at. Nothing goes while no checkpoint exists (a resume would start at step 0) or with `keep_last`
-    None."""
-    if keep_last is None or not resumable:
-        return []
-    below = min(consumed, min(resumable))
-    removable = [n for n in published_batches(run_dir) if n < below]
-    removed = removable[:max(len(removable) - keep_last, 0)]
-    for n in removed:
-        path = batch_dir(run_dir, n)
-        doomed = path.with_name(f".{path.name}.pruned-{uuid.uuid4().hex[:8]}")  # never seen half removed
-        os.rename(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    return removed
-
