@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, processes_of_run, rl_command, wait_for
 
-from primerl.launch.local import _forget_what_is_redone
+from primerl.launch.restart import forget_what_is_redone
 from primerl.monitor import read_metrics
 from primerl.transport import snapshots
 
@@ -82,7 +82,7 @@ def test_a_resume_forgets_what_is_trained_again(tmp_path, capsys):
     records = [{"source": "trainer", "step": s} for s in range(1, 6)] + [{"source": "orchestrator", "step": 4}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"torn')
 
-    _forget_what_is_redone(run, sys.stdout)
+    forget_what_is_redone(run, sys.stdout)
 
     assert snapshots.stable_steps(run) == [1, 2, 3]
     assert sorted(p.name for p in (run / "weights").iterdir()) == ["step_1", "step_2", "step_3"]

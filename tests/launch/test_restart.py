@@ -7,7 +7,15 @@ import time
 
 import pytest
 
-from primerl.launch.restart import STALLED, Failure, Progress, RestartPolicy
+from primerl.launch.restart import (
+    RESTARTS_LOG,
+    STALLED,
+    Failure,
+    Progress,
+    RestartPolicy,
+    record_restart,
+    restarts_of_run,
+)
 
 
 def test_restarts_until_the_budget_is_spent_then_stops_with_the_cause():
@@ -70,3 +78,21 @@ def test_progress_is_the_metrics_file_growing(tmp_path):
         f.write('{"step": 2}\n')
     os.utime(metrics)
     assert progress.idle_s() < 0.05
+
+
+def test_a_restart_is_one_line_on_stderr_a_line_in_the_restarts_log_and_a_metrics_record(tmp_path, capsys):
+    (tmp_path / "logs").mkdir()
+    checkpoint = tmp_path / "checkpoints" / "step_2" / "trainer" / "progress.json"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_text("{}")
+    policy = RestartPolicy(max_restarts=3)
+    failure = Failure.exited("trainer", -9, step=3)
+    assert policy.decide(failure).restart
+    record_restart(tmp_path, policy, failure, "last lines of trainer.log:\nKilled")
+    line = "restart 1/3: trainer was killed by signal 9 at step 3; resuming from step 2"
+    assert capsys.readouterr().err == f"rl: {line}\n"
+    log = (tmp_path / "logs" / RESTARTS_LOG).read_text()
+    assert log.endswith(f" {line}\nlast lines of trainer.log:\nKilled\n\n")
+    [record] = restarts_of_run(tmp_path)
+    assert (record["process"], record["failed_at_step"], record["resumed_from_step"], record["restart"]) == (
+        "trainer", 3, 2, 1)

@@ -41,16 +41,22 @@ from primerl.launch.processes import (
     stop_all,
     torchrun_command,
 )
-from primerl.launch.restart import RESTART_SOURCE, Failure, Progress, RestartPolicy
-from primerl.monitor import METRICS_FILE, MetricsLogger, drop_records_after
+from primerl.launch.restart import (
+    Failure,
+    Progress,
+    RestartPolicy,
+    forget_what_is_redone,
+    record_restart,
+    trained_steps,
+)
+from primerl.monitor import METRICS_FILE
 from primerl.ports import free_port
-from primerl.transport import checkpoints, snapshots
+from primerl.transport import snapshots
 from primerl.transport.weight_transfer.modes import transfer_mode
 
 ADMIN_TOKEN_VAR = "PRIMERL_ADMIN_TOKEN"
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
-RESTARTS_LOG = "restarts.log"  # in <run>/logs: each restart's line and the failed process's last log lines
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -276,8 +282,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     try:
         while True:
             if cfg.resume:
-                _forget_what_is_redone(run_dir, stream)
-            first_step = _trained_steps(run_dir) if cfg.resume else 0  # after _forget_what_is_redone
+                forget_what_is_redone(run_dir, stream)
+            first_step = trained_steps(run_dir) if cfg.resume else 0  # after forget_what_is_redone
             console = Console(run_dir, cfg.max_steps, first_step, stream)
             preloaded = start_processes(processes, stream, preloaded)
             outcome = _supervise(processes, console, cfg, stream, started)
@@ -291,7 +297,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
                 print(f"rl: {decision.reason}{tail}", file=sys.stderr, flush=True)
                 return 1
             console.close()
-            _record_restart(cfg, policy, outcome, failed)
+            last_lines = f"last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None else None
+            record_restart(run_dir, policy, outcome, last_lines)
             cfg = cfg.model_copy(update={"resume": True})
             try:
                 processes = build_processes(cfg, run_dir, devices, gpus)
@@ -312,25 +319,6 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
                   file=sys.stderr, flush=True)
         if console is not None:
             console.close()
-
-
-def _record_restart(cfg: RLConfig, policy: RestartPolicy, failure: Failure, failed: ManagedProcess | None) -> None:
-    """Say why the run restarts (one line on stderr, the failed process's last log lines in the log of restarts) and
-    append a `restart` record to metrics.jsonl (source `launcher`; the manifest counts them)."""
-    run_dir = cfg.output_dir
-    resume_step = checkpoints.latest_trainer_step(run_dir)
-    line = policy.message(failure, resume_step)
-    print(f"rl: {line}", file=sys.stderr, flush=True)
-    log = run_dir / "logs" / RESTARTS_LOG
-    with open(log, "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
-        if failed is not None:
-            f.write(f"last lines of {failed.log_path}:\n{failed.tail()}\n\n")
-    MetricsLogger(run_dir, RESTART_SOURCE).log(resume_step, {
-        "event": "restart", "restart": policy.restarts, "max_restarts": policy.max_restarts,
-        "process": failure.process, "cause": failure.cause, "failed_at_step": failure.step,
-        "resumed_from_step": resume_step,
-    })
 
 
 def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream,
@@ -377,23 +365,6 @@ def _drop_old_snapshots(cfg: RLConfig, stream) -> None:
               file=stream, flush=True)
 
 
-def _forget_what_is_redone(run_dir: Path, stream) -> None:
-    """Before a resumed run starts: weight snapshots newer than the trainer checkpoint it resumes from go (those steps
-    are trained again; a server that loaded the old version k would never load the new one), and so do staging
-    leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
-    before any process starts, so no server can load the snapshots and no process writes metrics meanwhile."""
-    step = checkpoints.latest_trainer_step(run_dir)
-    leftovers = snapshots.remove_staging_leftovers(run_dir)
-    removed = snapshots.remove_after(run_dir, step)
-    records = drop_records_after(run_dir, "trainer", step)
-    where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
-    print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "
-          "trainer starts from the initial model", file=stream, flush=True)
-    if removed or leftovers or records:
-        print(f"rl: steps after {step} are trained again: removed weight snapshots {removed}, {len(leftovers)} "
-              f"staging leftover(s), {records} trainer record(s) of metrics.jsonl", file=stream, flush=True)
-
-
 def _prepare_model(cfg: RLConfig) -> None:
     """Build or convert a registry model (and the teacher's) once here, so the processes that start next all find it
     cached; a model that cannot be found is one line before anything starts."""
@@ -405,10 +376,3 @@ def _prepare_model(cfg: RLConfig) -> None:
                 resolve_model(model.name, model.revision)
         except ModelError as e:
             raise LaunchError(f"{what}{e}") from None
-
-
-def _trained_steps(run_dir: Path) -> int:
-    from primerl.monitor import read_metrics
-
-    return max((int(r["step"]) for r in read_metrics(run_dir, "trainer")), default=0)
-

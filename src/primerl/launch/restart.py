@@ -5,18 +5,24 @@ policy allows `max_restarts` restarts over the launcher's life, and stops sooner
 failing the same way `CRASH_LOOP_FAILURES` times with no new trained step in between, which a restart will not fix.
 It knows nothing about processes: the launcher tells it what failed (`Failure`) and acts on its `Decision`; a hang is
 seen by `Progress`, the run's heartbeat (its metrics.jsonl growing).
+
+The bookkeeping around a restart is here too: `record_restart` says why and records it, `forget_what_is_redone`
+clears what a resumed run trains again before any process starts.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from primerl.monitor import read_metrics
+from primerl.monitor import MetricsLogger, drop_records_after, read_metrics
+from primerl.transport import checkpoints, snapshots
 
 RESTART_SOURCE = "launcher"  # the `source` of the restart records in metrics.jsonl ({"event": "restart", ...})
 CRASH_LOOP_FAILURES = 3  # the same failure this many times in a row, with no new trained step: a crash loop
+RESTARTS_LOG = "restarts.log"  # in <run>/logs: each restart's line and the failed process's last log lines
 STALLED = "the run"  # the `Failure.process` of a run that stopped making progress (which process hung is unknown)
 
 
@@ -105,3 +111,47 @@ class Progress:
         if (size := self._size()) != self.size:
             self.size, self.since = size, time.monotonic()
         return time.monotonic() - self.since
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Bookkeeping of restarts and resumes
+
+
+def record_restart(run_dir: Path, policy: RestartPolicy, failure: Failure, last_lines: str | None) -> None:
+    """Say why the run restarts (one line on stderr; `last_lines`, the failed process's last log lines, in the log of
+    restarts) and append a `restart` record to metrics.jsonl (source `launcher`; the manifest counts them)."""
+    resume_step = checkpoints.latest_trainer_step(run_dir)
+    line = policy.message(failure, resume_step)
+    print(f"rl: {line}", file=sys.stderr, flush=True)
+    log = run_dir / "logs" / RESTARTS_LOG
+    with open(log, "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
+        if last_lines is not None:
+            f.write(f"{last_lines}\n\n")
+    MetricsLogger(run_dir, RESTART_SOURCE).log(resume_step, {
+        "event": "restart", "restart": policy.restarts, "max_restarts": policy.max_restarts,
+        "process": failure.process, "cause": failure.cause, "failed_at_step": failure.step,
+        "resumed_from_step": resume_step,
+    })
+
+
+def forget_what_is_redone(run_dir: Path, stream) -> None:
+    """Before a resumed run starts: weight snapshots newer than the trainer checkpoint it resumes from go (those steps
+    are trained again; a server that loaded the old version k would never load the new one), and so do staging
+    leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
+    before any process starts, so no server can load the snapshots and no process writes metrics meanwhile."""
+    step = checkpoints.latest_trainer_step(run_dir)
+    leftovers = snapshots.remove_staging_leftovers(run_dir)
+    removed = snapshots.remove_after(run_dir, step)
+    records = drop_records_after(run_dir, "trainer", step)
+    where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
+    print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "
+          "trainer starts from the initial model", file=stream, flush=True)
+    if removed or leftovers or records:
+        print(f"rl: steps after {step} are trained again: removed weight snapshots {removed}, {len(leftovers)} "
+              f"staging leftover(s), {records} trainer record(s) of metrics.jsonl", file=stream, flush=True)
+
+
+def trained_steps(run_dir: Path) -> int:
+    """The newest step the trainer recorded in metrics.jsonl (0: none)."""
+    return max((int(r["step"]) for r in read_metrics(run_dir, "trainer")), default=0)
