@@ -473,3 +473,22 @@ def test_smollm2_answers_a_chat_request(smollm2_dir: Path, tmp_path: Path):
         )
         assert "paris" in completion.choices[0].message.content.lower()
         assert completion.choices[0].finish_reason == "stop"
+
+
+def test_token_route_takes_ids_the_model_has_beyond_its_tokenizer(tiny_model_dir: Path, tmp_path: Path):
+    """A padded embedding (more rows than the tokenizer has tokens, as Qwen3's) can sample an id past the tokenizer;
+    the next turn's prompt carries it back, and the token route must take it. Ids past the embedding stay a 400."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    padded = len(tokenizer) + 64
+    model.resize_token_embeddings(padded)
+    out = tmp_path / "padded"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    with start_server(out, tmp_path / "server") as server:
+        inside = generate(server, [1, len(tokenizer) + 10], max_tokens=2)
+        assert inside.status_code == 200, inside.text
+        beyond = generate(server, [1, padded], max_tokens=2)
+        assert beyond.status_code == 400 and f"0..{padded - 1}" in beyond.text

@@ -308,7 +308,9 @@ class Completions:
         self.log_ignored_fields(req, "generate")
         self.log_ignored_fields(req.sampling_params, "generate.sampling_params")
         self.check_model(req.model)
-        vocab = len(self.engine.tokenizer)
+        # The model's own vocabulary: it may sample ids past the tokenizer's (a padded embedding), and a client
+        # sends those back in the next turn's prompt.
+        vocab = max(self.engine.vocab_size, len(self.engine.tokenizer))
         if (bad := next((t for t in req.token_ids if not 0 <= t < vocab), None)) is not None:
             raise APIError(400, f"token id {bad} is outside the vocabulary (0..{vocab - 1})", param="token_ids")
         sp = req.sampling_params

@@ -93,6 +93,7 @@ class Engine(ABC):
     max_model_len: int
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
+    vocab_size: int = 0  # rows of the model's embedding: often more than the tokenizer has (padded vocabularies)
     policy_version: int = 0
     receiver_state: str = "off"  # the weight broadcast receiver: off, joining ..., rank r of n, failed: ..., closed: ...
 

@@ -136,6 +136,7 @@ class HFEngine(WeightIntake, Rows, Engine):
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         self.model.requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.vocab_size = self.model.config.vocab_size
         self.eos_token_ids = _eos_token_ids(self.model, self.tokenizer)
         model_limit = self.model.config.max_position_embeddings
         self.max_model_len = min(self.requested_max_model_len or model_limit, model_limit)

@@ -150,6 +150,7 @@ class VLLMEngine(Engine):
         self.dtype = str(self._llm.model_config.dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=self.model_config.trust_remote_code)
         self.eos_token_ids = _eos_token_ids(self._llm.model_config.hf_config, path, self.tokenizer)
+        self.vocab_size = getattr(self._llm.model_config.hf_config, "vocab_size", 0) or 0
 
     async def stop(self) -> None:
         if self._receiver_task is not None:
