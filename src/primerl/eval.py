@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from primerl.config import config_from_argv
 from primerl.config.eval import EvalConfig
 from primerl.config.inference import InferenceConfig
 from primerl.monitor import MetricsLogger
+from primerl.storage import atomic_write
 
 log = logging.getLogger("primerl.eval")
 
@@ -182,9 +182,7 @@ def run_eval(cfg: EvalConfig) -> int:
         if server is not None:
             stop_all([server], grace_s=15)
     path = cfg.output_dir / RESULTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(results, indent=1))
     if cfg.wandb.project:
         logger = MetricsLogger(cfg.output_dir, "eval", wandb=cfg.wandb, config={"eval": cfg.model_dump(mode="json")})
         logger.log(0, {key: value for key, value in results.items() if isinstance(value, int | float)})

@@ -27,7 +27,7 @@ import shutil
 import time
 from pathlib import Path
 
-from primerl.storage import fsync_path
+from primerl.storage import atomic_write, fsync_path
 
 WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
@@ -113,10 +113,7 @@ def publish(staged: Path, run_dir: str | os.PathLike, step: int) -> Path:
         shutil.rmtree(final)
     os.rename(staged, final)
     num_bytes = sum(f.stat().st_size for f in final.iterdir())
-    marker_tmp = final / f".{STABLE}.tmp"
-    marker_tmp.write_text(json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
-    fsync_path(marker_tmp)
-    os.rename(marker_tmp, final / STABLE)
+    atomic_write(final / STABLE, json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
     return final
 
 
