@@ -36,7 +36,7 @@ from report import add_smoke_flag, emit, not_run
 
 PROBE_MODULES = [
     "primerl.cli", "primerl.launch.local", "primerl.inference.server", "primerl.inference.engines.hf", "uvicorn",
-    "primerl.orchestrator.loop", "primerl.orchestrator.rollouts", "reverse_text", "primerl.trainer.rl",
+    "primerl.orchestrator.loop", "primerl.orchestrator.verifiers_bridge", "reverse_text", "primerl.trainer.rl",
     "pytest", "pytest_timeout",  # the GPU tests (tests/gpu) run there too
 ]
 RUNTIME_ONLY = {"cffi", "cryptography", "mcp", "mcp-types", "openai-harmony", "sse-starlette"}

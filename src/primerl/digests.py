@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
 from primerl.cache import cache_dir
+from primerl.storage import atomic_write
 
 SETTLE_S = 2.0
 
@@ -59,9 +59,7 @@ def _identity(path: Path) -> list[int]:
 def _write(stamp: Path, record: dict) -> None:
     try:
         stamp.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp.with_name(f".{stamp.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(record))
-        tmp.replace(stamp)
+        atomic_write(stamp, json.dumps(record))
     except OSError:  # a read-only cache: hash again next time
         pass
 

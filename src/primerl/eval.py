@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ from primerl.config import config_from_argv
 from primerl.config.eval import EvalConfig
 from primerl.config.inference import InferenceConfig
 from primerl.monitor import MetricsLogger
+from primerl.storage import atomic_write
 
 log = logging.getLogger("primerl.eval")
 
@@ -83,15 +83,15 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any, progress: dict[str,
     progress = progress if progress is not None else {}
     import verifiers.v1 as vf
 
-    from primerl.orchestrator import rollouts as bridge
+    from primerl.orchestrator import verifiers_bridge
 
     tasks = select_tasks(env.taskset, cfg.num_examples, cfg.seed)
     if cfg.client == "token":
         from primerl.models import resolve_model
 
-        client = bridge.train_client(base_url, renderer_model=resolve_model(cfg.model.name, cfg.model.revision))
+        client = verifiers_bridge.train_client(base_url, renderer_model=resolve_model(cfg.model.name, cfg.model.revision))
     else:
-        client = bridge.chat_client(base_url)
+        client = verifiers_bridge.chat_client(base_url)
     sampling = vf.SamplingConfig(
         temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_tokens=cfg.sampling.max_tokens
     )
@@ -104,7 +104,7 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any, progress: dict[str,
         async with slots:
             episode = await env.run_episode(task, ctx)
         progress["done"] += 1
-        return bridge.samples_from_episode(episode, (0, 0))
+        return verifiers_bridge.samples_from_episode(episode, (0, 0))
 
     started = time.monotonic()
     async with env.serving():
@@ -114,8 +114,8 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any, progress: dict[str,
     seconds = time.monotonic() - started
     examples = []
     for task, rollouts in zip(tasks, per_task):
-        records = [(bridge.rollout_records(samples) or [_EMPTY_ROLLOUT])[0] for samples in rollouts]
-        examples.append({"task_id": bridge.task_id(task), "rewards": [r["reward"] for r in records],
+        records = [(verifiers_bridge.rollout_records(samples) or [_EMPTY_ROLLOUT])[0] for samples in rollouts]
+        examples.append({"task_id": verifiers_bridge.task_id(task), "rewards": [r["reward"] for r in records],
                          "errors": [r["error"] for r in records], "rollouts": records})
     k = cfg.rollouts_per_example
     return {
@@ -128,7 +128,7 @@ async def evaluate(cfg: EvalConfig, base_url: str, env: Any, progress: dict[str,
         "errors": sum(error is not None for e in examples for error in e["errors"]),
         "seconds": round(seconds, 3),
         "rollouts_per_s": len(examples) * k / seconds if seconds > 0 else None,
-        **{key: value for key, value in bridge.rollout_means([r for e in examples for r in e["rollouts"]]).items()
+        **{key: value for key, value in verifiers_bridge.rollout_means([r for e in examples for r in e["rollouts"]]).items()
            if key != "rollouts"},  # turns, completion length, truncation, metric/<name>: per rollout
         "examples": examples,
     }
@@ -156,7 +156,7 @@ def start_server(cfg: EvalConfig):
 def run_eval(cfg: EvalConfig) -> int:
     """Evaluate and write `<output_dir>/results.json`; return the exit code."""
     from primerl.launch.processes import stop_all
-    from primerl.orchestrator.rollouts import EnvConfigError, env_from_config
+    from primerl.orchestrator.verifiers_bridge import EnvConfigError, env_from_config
 
     print(f"primerl eval: loading the environment {cfg.env.id}", file=sys.stderr, flush=True)
     try:
@@ -182,9 +182,7 @@ def run_eval(cfg: EvalConfig) -> int:
         if server is not None:
             stop_all([server], grace_s=15)
     path = cfg.output_dir / RESULTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(results, indent=1))
-    tmp.replace(path)
+    atomic_write(path, json.dumps(results, indent=1))
     if cfg.wandb.project:
         logger = MetricsLogger(cfg.output_dir, "eval", wandb=cfg.wandb, config={"eval": cfg.model_dump(mode="json")})
         logger.log(0, {key: value for key, value in results.items() if isinstance(value, int | float)})

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from primerl.storage import atomic_write
+
 if TYPE_CHECKING:
     from primerl.config.common import WandbConfig
 
@@ -103,9 +105,7 @@ def drop_records_after(run_dir: str | os.PathLike, source: str, step: int) -> in
         else:
             kept.append(line)
     if dropped:
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+        atomic_write(path, "".join(line + "\n" for line in kept))
     return dropped
 
 

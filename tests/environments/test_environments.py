@@ -15,7 +15,7 @@ import pytest
 import verifiers.v1 as vf
 
 from primerl.orchestrator.envkit import ChatHarness, DataIntegrityError, Tool, read_pinned
-from primerl.orchestrator.rollouts import load_env
+from primerl.orchestrator.verifiers_bridge import load_env
 
 ENVS = {
     # env id -> (module, a pinned data file)
@@ -95,7 +95,7 @@ def test_reverse_text_words_mode() -> None:
 
 
 def test_environment_settings_it_refuses_are_one_line_naming_the_arg() -> None:
-    from primerl.orchestrator.rollouts import EnvConfigError
+    from primerl.orchestrator.verifiers_bridge import EnvConfigError
 
     with pytest.raises(EnvConfigError) as refused:
         load_env("reverse-text", revers="words")

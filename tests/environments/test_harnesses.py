@@ -15,7 +15,7 @@ from primerl.config import config_from_argv
 from primerl.config.eval import EvalConfig
 from primerl.config.orchestrator import EnvSection, OrchestratorConfig
 from primerl.orchestrator.envkit import ChatHarness, ShellHarness, ShellHarnessConfig, in_process_endpoint
-from primerl.orchestrator.rollouts import (
+from primerl.orchestrator.verifiers_bridge import (
     DEFAULT_HARNESS,
     UnsandboxedToolsError,
     env_from_config,

@@ -29,7 +29,7 @@ from primerl.orchestrator.client import (
     install_model_client_transport,
     with_retries,
 )
-from primerl.orchestrator.rollouts import load_env, run_group, train_client
+from primerl.orchestrator.verifiers_bridge import load_env, run_group, train_client
 
 SHORT_KEEPALIVE_S = 1
 

@@ -11,17 +11,17 @@ from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import read_metrics
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.loop import Orchestrator, PolicyTracker
-from primerl.orchestrator.rollouts import Sample
 from primerl.orchestrator.sampler import TaskStream
 from primerl.orchestrator.steps import score_group
+from primerl.orchestrator.verifiers_bridge import RolloutSample
 from primerl.transport.rollouts import read_batch
 
 
 def sample(trace: str, reward: float, versions=(0, 0), tokens: int = 4, error: str | None = None,
-           segments=()) -> Sample:
+           segments=()) -> RolloutSample:
     ids = list(range(1, tokens + 1))
     mask = [0, 0] + [1] * (tokens - 2) if tokens else []
-    return Sample(
+    return RolloutSample(
         env="reverse-text", task_id="t", trace_id=trace, input_ids=ids, loss_mask=mask,
         inference_logprobs=[-0.5 * m for m in mask], prompt_len=2 if tokens else 0, reward=reward, rewards={},
         policy_versions=versions, num_turns=1, is_truncated=False, stop_condition="agent_completed", error=error,

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from primerl.orchestrator.rollouts import Sample, rollout_means, rollout_records
+from primerl.orchestrator.verifiers_bridge import RolloutSample, rollout_means, rollout_records
 
 
-def sample(trace: str, completion: int, truncated: bool, turns: int = 3, metrics=None, error=None) -> Sample:
+def sample(trace: str, completion: int, truncated: bool, turns: int = 3, metrics=None, error=None) -> RolloutSample:
     prompt = 4
-    return Sample(env="wordle", task_id="t", trace_id=trace, input_ids=list(range(prompt + completion)),
+    return RolloutSample(env="wordle", task_id="t", trace_id=trace, input_ids=list(range(prompt + completion)),
                   loss_mask=[0] * prompt + [1] * completion, inference_logprobs=[0.0] * (prompt + completion),
                   prompt_len=prompt, reward=0.5, rewards={"correct": 0.5}, policy_versions=(0, 0), num_turns=turns,
                   is_truncated=truncated, stop_condition="max_turns" if truncated else "agent_completed",

@@ -133,7 +133,7 @@ def test_renderer_through_verifiers_client_leaves_torch_unimported(tiny_model_di
     the way imports torch again."""
     script = textwrap.dedent("""
         import asyncio, json, sys
-        from primerl.orchestrator.rollouts import train_client
+        from primerl.orchestrator.verifiers_bridge import train_client
         from verifiers.v1.clients.train import ElasticRendererPool
 
         config = train_client("http://127.0.0.1:9", renderer_model=sys.argv[1])

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_rollouts import server  # noqa: F401  (the module-scoped tiny server fixture)
+from test_verifiers_bridge import server  # noqa: F401  (the module-scoped tiny server fixture)
 
 from primerl.orchestrator.workers import worker_count
 from primerl.transport.rollouts import read_batch

@@ -118,7 +118,7 @@ def check_model(ctx: Context) -> str:
 ENV_PROBE = (
     "import sys\n"
     "from primerl.config.orchestrator import EnvSection\n"
-    "from primerl.orchestrator.rollouts import EnvConfigError, probe_env\n"
+    "from primerl.orchestrator.verifiers_bridge import EnvConfigError, probe_env\n"
     "try:\n"
     "    print(probe_env(EnvSection.model_validate_json(sys.argv[1])))\n"
     "except EnvConfigError as e:\n"

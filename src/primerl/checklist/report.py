@@ -5,12 +5,12 @@ form), and `write_report`, which writes the JSON atomically (default `<run dir>/
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from primerl.checklist.context import Status
+from primerl.storage import atomic_write
 
 
 @dataclass
@@ -51,7 +51,5 @@ class ChecklistReport:
 
 def write_report(report: ChecklistReport, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(report.as_dict(), indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write(path, json.dumps(report.as_dict(), indent=2) + "\n")
 

@@ -195,10 +195,3 @@ class DeployConfig(Section):
         for host in self.hosts.values():
             host._known_hosts, host._accept_new = self.known_hosts, self.accept_new_host_keys
         return self
-
-    def used_hosts(self) -> list[str]:
-        """The hosts the roles use, each once, in the order roles name them."""
-        if self.roles is None:
-            return []
-        named = [*self.roles.inference, self.roles.orchestrator, *self.roles.trainer]
-        return list(dict.fromkeys(named))

@@ -7,11 +7,11 @@ it); a generated token without a file is printed once on stderr, since nobody co
 from __future__ import annotations
 
 import logging
-import os
 import secrets
 import sys
 
 from primerl.config.inference import InferenceConfig
+from primerl.storage import atomic_write
 
 log = logging.getLogger("primerl.inference")
 
@@ -27,11 +27,7 @@ def resolve_admin_token(cfg: InferenceConfig) -> None:
     if cfg.admin_token_file is not None:
         path = cfg.admin_token_file
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(token + "\n")
-        os.replace(tmp, path)
+        atomic_write(path, token + "\n", mode=0o600)
         log.info("admin token %s, written to %s", "generated" if generated else "from config", path)
     elif generated:
         print(f"primerl inference: admin token (set PRIMERL_ADMIN_TOKEN to choose one): {token}", file=sys.stderr)

@@ -61,7 +61,7 @@ MAX_LOGGED_FIELDS = 20  # ignored request fields named in the log line, at most
 
 
 @dataclass
-class Sample:
+class CompletionSample:
     """What one engine request produced so far."""
 
     token_ids: list[int] = field(default_factory=list)
@@ -84,8 +84,8 @@ class Sample:
         return [self.finish.policy_versions[1]]
 
 
-async def _collect(stream: AsyncIterator[Event]) -> Sample:
-    sample = Sample()
+async def _collect(stream: AsyncIterator[Event]) -> CompletionSample:
+    sample = CompletionSample()
     async for event in stream:
         sample.add(event)
     return sample
@@ -265,7 +265,7 @@ class Completions:
         tokenizer = self.engine.tokenizer
         stops = req.stop_strings()
         texts = [CompletionText(tokenizer, stops, hold_tool_calls) for _ in streams]
-        samples = [Sample() for _ in streams]
+        samples = [CompletionSample() for _ in streams]
         yield chunk([ChunkChoice(index=i, delta=ChunkDelta(role="assistant", content="")) for i in range(len(streams))])
         try:
             async for index, event in _merge(streams):
@@ -319,7 +319,7 @@ class Completions:
         prompt_logprobs = None if sp.prompt_logprobs is None else await self._prompt_logprobs(req.token_ids)
         if sp.max_tokens == 0:  # scoring only
             finish = Finish("length", (self.engine.policy_version,) * 2, len(req.token_ids), 0)
-            samples = [Sample(finish=finish) for _ in range(sp.n)]
+            samples = [CompletionSample(finish=finish) for _ in range(sp.n)]
         else:
             params = self.engine_params(sp, len(req.token_ids), sp.max_tokens, "token_ids", sp.stop_token_ids or ())
             streams = self.start_streams(req.token_ids, params, f"{request_id}-{uuid.uuid4().hex[:8]}")
@@ -362,7 +362,8 @@ class Completions:
 
     # ---- logging
 
-    def _log_done(self, route: str, request_id: str, usage: Usage, started: float, samples: Sequence[Sample]) -> None:
+    def _log_done(self, route: str, request_id: str, usage: Usage, started: float,
+                  samples: Sequence[CompletionSample]) -> None:
         log.info(
             "%s %s n=%d prompt=%d completion=%d finish=%s version=%d %.2fs",
             route,
@@ -381,6 +382,6 @@ def _finish_reason(finish: Finish | None, has_tool_calls: bool) -> str:
     return "tool_calls" if has_tool_calls and reason == "stop" else reason
 
 
-def _usage(prompt_tokens: int, samples: Sequence[Sample]) -> Usage:
+def _usage(prompt_tokens: int, samples: Sequence[CompletionSample]) -> Usage:
     completion = sum(len(s.token_ids) for s in samples)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion)

@@ -24,7 +24,7 @@ import verifiers.v1 as vf
 
 from primerl.config.orchestrator import EnvSection, OrchestratorConfig
 from primerl.models import resolve_model
-from primerl.orchestrator import rollouts as bridge
+from primerl.orchestrator import verifiers_bridge
 from primerl.orchestrator.client import InferencePool, install_model_client_transport
 from primerl.orchestrator.pydantic_speedup import cache_default_factory_checks
 
@@ -79,7 +79,7 @@ class GroupRunner:
         install_model_client_transport(setup.request_timeout_s)
         cache_default_factory_checks()
         urls = [url.rstrip("/") for url in setup.urls]
-        self.clients = {url: bridge.train_client(url, renderer_model=setup.renderer_model) for url in urls}
+        self.clients = {url: verifiers_bridge.train_client(url, renderer_model=setup.renderer_model) for url in urls}
         # Building a client schedules loading the tokenizer (slow) on a thread: it loads while the environment
         # loads and the server comes up.
         self._warm_client = vf.resolve_client(self.clients[urls[0]])
@@ -92,7 +92,7 @@ class GroupRunner:
         await asyncio.sleep(0)  # the tokenizer's thread starts now
         async with contextlib.AsyncExitStack() as stack:
             stack.push_async_callback(self._warm_client.close)
-            self.env = bridge.env_from_config(self.setup.env)
+            self.env = verifiers_bridge.env_from_config(self.setup.env)
             self.pool = await stack.enter_async_context(InferencePool(
                 list(self.clients), admin_token=None, request_timeout_s=self.setup.request_timeout_s,
                 retry_s=self.setup.retry_s,
@@ -105,14 +105,14 @@ class GroupRunner:
     async def __aexit__(self, *exc: object) -> None:
         await self._stack.aclose()
 
-    async def run(self, draw: int, task: Any, url: str) -> list[bridge.Sample]:
+    async def run(self, draw: int, task: Any, url: str) -> list[verifiers_bridge.RolloutSample]:
         server = self._servers[url]
 
         async def current_version() -> int:
             return int((await self.pool.health(server))["policy_version"])
 
         n, seed = self.setup.group_size, self.setup.seed
-        return await bridge.run_group(
+        return await verifiers_bridge.run_group(
             self.env, task, n, model=self.setup.model_name, client=self.clients[url], sampling=self.sampling,
-            current_version=current_version, seeds=[bridge.rollout_seed(seed, draw, i) for i in range(n)],
+            current_version=current_version, seeds=[verifiers_bridge.rollout_seed(seed, draw, i) for i in range(n)],
         )

@@ -33,7 +33,7 @@ from typing import Any
 from primerl.config import config_from_argv
 from primerl.config.orchestrator import OrchestratorConfig
 from primerl.monitor import MetricsLogger
-from primerl.orchestrator import rollouts as bridge
+from primerl.orchestrator import verifiers_bridge
 from primerl.orchestrator.algorithm import Algorithm
 from primerl.orchestrator.client import InferencePool
 from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
@@ -210,7 +210,7 @@ class Orchestrator:
         with self.pool.acquire() as server:
             samples = await self.groups.run(draw, task, server.url)
         teacher = await self.algorithm.teacher_logprobs(samples)
-        group = score_group(bridge.task_id(task), samples, self.algorithm.scorer, time.monotonic() - started, teacher)
+        group = score_group(verifiers_bridge.task_id(task), samples, self.algorithm.scorer, time.monotonic() - started, teacher)
         group.draw = draw
         return group
 
@@ -222,7 +222,7 @@ class Orchestrator:
             self.in_flight.discard(group.draw)
             self.stats.unused_groups.append(group)
             self.failed_in_a_row += 1
-            error = bridge.one_line(next((s.error for s in group.samples if s.error), "unknown error"))
+            error = verifiers_bridge.one_line(next((s.error for s in group.samples if s.error), "unknown error"))
             log.warning("every rollout of task %s failed: %s", group.task_id, error)
             if self.failed_in_a_row >= MAX_FAILED_GROUPS_IN_A_ROW:
                 raise RolloutsFailing(f"{self.failed_in_a_row} groups in a row failed entirely; last error: {error}")
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.info("interrupted")
         return 130
-    except bridge.EnvConfigError as e:
+    except verifiers_bridge.EnvConfigError as e:
         log.error("config error: %s", e)
         return 2
     except (RolloutsFailing, WorkerFailed) as e:

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from primerl.orchestrator import rollouts as bridge
+from primerl.orchestrator import verifiers_bridge
 from primerl.transport import rollouts as batches
 
 
@@ -103,7 +103,7 @@ def step_metrics(step: int, groups: list[Group], samples: list[batches.Sample], 
     seen = groups + stats.unused_groups
     rewards = [r for g in seen for r in g.rewards]
     rollouts = [s for g in seen for s in g.samples]  # every sample: a rollout cut in several has several
-    per_rollout = bridge.rollout_means([r for g in seen for r in bridge.rollout_records(g.samples)])
+    per_rollout = verifiers_bridge.rollout_means([r for g in seen for r in verifiers_bridge.rollout_records(g.samples)])
     lags = [step - s.policy_versions[0] for s in samples]
     step_tokens = sum(sum(s.loss_mask) for s in samples)
     return {

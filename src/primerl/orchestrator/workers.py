@@ -41,7 +41,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-from primerl.orchestrator import rollouts as bridge
+from primerl.orchestrator import verifiers_bridge
 from primerl.orchestrator.groups import GroupRunner, RolloutSetup, quiet_libraries
 
 log = logging.getLogger("primerl.orchestrator")
@@ -151,7 +151,7 @@ class WorkerPool:
         return sum(worker.cpu_s for worker in self.workers)
 
     async def __aenter__(self) -> Self:
-        self.env = bridge.env_from_config(self.setup.env)
+        self.env = verifiers_bridge.env_from_config(self.setup.env)
         try:
             for index in range(self.count):
                 self.workers.append(await self._start(index))
@@ -183,7 +183,7 @@ class WorkerPool:
         worker.receiving = asyncio.create_task(self._receive(worker, reader), name=f"orchestrator-worker-{index}")
         return worker
 
-    async def run(self, draw: int, task: Any, url: str) -> list[bridge.Sample]:
+    async def run(self, draw: int, task: Any, url: str) -> list[verifiers_bridge.RolloutSample]:
         if self.failed.done():
             self.failed.result()
         request_id = next(self._requests)
@@ -191,7 +191,7 @@ class WorkerPool:
             request = encode(("run", request_id, draw, task, url))
         except (pickle.PicklingError, TypeError, AttributeError) as error:
             raise WorkerFailed(
-                f"task {bridge.task_id(task)} of environment {self.setup.env.id!r} cannot be sent to a worker "
+                f"task {verifiers_bridge.task_id(task)} of environment {self.setup.env.id!r} cannot be sent to a worker "
                 f"process ({type(error).__name__}: {error}); run with orchestrator.workers = 0"
             ) from error
         worker = min(self.workers, key=lambda w: len(w.pending))
@@ -211,7 +211,7 @@ class WorkerPool:
                 kind, *body = await receive(reader)
                 if kind == "failed to start":
                     (error,) = body
-                    self._fail(WorkerFailed(f"{worker.name} could not start: {bridge.one_line(str(error))}"))
+                    self._fail(WorkerFailed(f"{worker.name} could not start: {verifiers_bridge.one_line(str(error))}"))
                     return
                 worker.cpu_s = body[-1]
                 if kind == "ready":

@@ -36,6 +36,7 @@ from primerl.recipes.pins import (
 )
 from primerl.recipes.schema import Recipe
 from primerl.recipes.stages import RUN_DIR_VAR
+from primerl.storage import atomic_write
 
 MANIFEST_FILE = "manifest.json"
 SCHEMA_VERSION = 1
@@ -129,10 +130,7 @@ def environment_record(recipe: Recipe) -> dict[str, Any] | None:
 def write_manifest(run_dir: Path, manifest: Mapping[str, Any]) -> Path:
     """Write `<run>/manifest.json` atomically (temp file, then rename)."""
     path = run_dir / MANIFEST_FILE
-    tmp = path.with_name(f".{MANIFEST_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
-    tmp.replace(path)
-    return path
+    return atomic_write(path, json.dumps(manifest, indent=2, sort_keys=False) + "\n")
 
 
 def read_manifest(run_dir: Path) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from primerl.transport import rollouts
 
 CHECKPOINTS_DIR = "checkpoints"
 TRAINER_MARKER = ("trainer", "progress.json")
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(\d+)$")  # step k's directory, in checkpoints/, rollouts/ and weights/
 
 
 def complete_steps(run_dir: str | os.PathLike, role: str, marker: str) -> list[int]:
@@ -26,7 +26,7 @@ def complete_steps(run_dir: str | os.PathLike, role: str, marker: str) -> list[i
     root = Path(run_dir) / CHECKPOINTS_DIR
     if not root.is_dir():
         return []
-    found = (_STEP_DIR.match(entry.name) for entry in root.iterdir())
+    found = (STEP_DIR.match(entry.name) for entry in root.iterdir())
     return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / role / marker).is_file())
 
 
@@ -41,8 +41,8 @@ def published_batches(run_dir: str | os.PathLike) -> list[int]:
     root = Path(run_dir) / rollouts.ROLLOUTS_DIR
     if not root.is_dir():
         return []
-    steps = (entry.name.removeprefix("step_") for entry in root.iterdir() if entry.name.startswith("step_"))
-    return sorted(int(n) for n in steps if n.isdigit() and (root / f"step_{n}" / rollouts.META_FILE).is_file())
+    found = (STEP_DIR.match(entry.name) for entry in root.iterdir())
+    return sorted(int(m.group(1)) for m in found if m and (root / m.group(0) / rollouts.META_FILE).is_file())
 
 
 def prune_batches(run_dir: str | os.PathLike, keep_last: int | None, consumed: int, resumable: list[int]) -> list[int]:

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from primerl.storage import atomic_write
 from primerl.transport import snapshots
 
 SHARED = snapshots.SHARED
@@ -65,12 +66,6 @@ def layout(entries: list[tuple[str, tuple[int, ...]]]) -> tuple[list[Slot], int]
     return slots, max(offset, 1)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def read_applied(run_dir: str | os.PathLike) -> int | None:
     try:
         return int((segment_dir(run_dir) / APPLIED).read_text())
@@ -79,7 +74,7 @@ def read_applied(run_dir: str | os.PathLike) -> int | None:
 
 
 def write_applied(run_dir: str | os.PathLike, step: int) -> None:
-    _write_atomic(segment_dir(run_dir) / APPLIED, str(step).encode())
+    atomic_write(segment_dir(run_dir) / APPLIED, str(step).encode())
 
 
 class SharedSegment:
@@ -100,7 +95,7 @@ class SharedSegment:
             self.buffer = torch.empty(size, dtype=dtype, device=device)
             from torch.multiprocessing.reductions import reduce_tensor
 
-            _write_atomic(self.dir / SEGMENT_HANDLE, pickle.dumps(reduce_tensor(self.buffer)))
+            atomic_write(self.dir / SEGMENT_HANDLE, pickle.dumps(reduce_tensor(self.buffer)))
             where = {"kind": "cuda_ipc", "device_uuid": str(torch.cuda.get_device_properties(device).uuid)}
         else:
             shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else self.dir
@@ -114,7 +109,7 @@ class SharedSegment:
             "segment_id": self.segment_id, "dtype": str(dtype).removeprefix("torch."), "numel": size,
             "tensors": [[s.name, list(s.shape), s.offset] for s in self.slots], **where,
         }
-        _write_atomic(self.dir / SEGMENT_JSON, json.dumps(description).encode())
+        atomic_write(self.dir / SEGMENT_JSON, json.dumps(description).encode())
         self.written: int | None = None  # the step the buffer holds now
 
     @property

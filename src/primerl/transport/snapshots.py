@@ -27,7 +27,8 @@ import shutil
 import time
 from pathlib import Path
 
-from primerl.storage import fsync_path
+from primerl.storage import atomic_write, fsync_path
+from primerl.transport.checkpoints import STEP_DIR
 
 WEIGHTS_DIR = "weights"
 STABLE = "STABLE"
@@ -35,7 +36,6 @@ BROADCAST = "BROADCAST"
 SHARED = "SHARED"  # a version in the trainer's shared buffer (primerl.transport.shared)
 SEGMENT_JSON = "segment.json"  # weights/shared/: where the trainer's shared buffer is and how it is laid out
 SEGMENT_HANDLE = "segment.pkl"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
 _STAGING_DIR = re.compile(r"^\.step_\d+\.tmp-\d+$")
 
 
@@ -54,7 +54,7 @@ def stable_steps(run_dir: str | os.PathLike) -> list[int]:
         return []
     steps = []
     for entry in root.iterdir():
-        match = _STEP_DIR.match(entry.name)
+        match = STEP_DIR.match(entry.name)
         if match and is_stable(entry):
             steps.append(int(match.group(1)))
     return sorted(steps)
@@ -113,10 +113,7 @@ def publish(staged: Path, run_dir: str | os.PathLike, step: int) -> Path:
         shutil.rmtree(final)
     os.rename(staged, final)
     num_bytes = sum(f.stat().st_size for f in final.iterdir())
-    marker_tmp = final / f".{STABLE}.tmp"
-    marker_tmp.write_text(json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
-    fsync_path(marker_tmp)
-    os.rename(marker_tmp, final / STABLE)
+    atomic_write(final / STABLE, json.dumps({"step": step, "written_at": time.time(), "num_bytes": num_bytes}))
     return final
 
 
@@ -152,7 +149,7 @@ def remove_after(run_dir: str | os.PathLike, step: int) -> list[int]:
     """Delete every snapshot newer than `step` (a resumed trainer will publish those steps again); return them."""
     root = Path(run_dir) / WEIGHTS_DIR
     doomed = sorted(int(m.group(1)) for e in (root.iterdir() if root.is_dir() else [])
-                    if (m := _STEP_DIR.match(e.name)) and int(m.group(1)) > step)
+                    if (m := STEP_DIR.match(e.name)) and int(m.group(1)) > step)
     for newer in doomed:
         path = weights_dir(run_dir, newer)
         (path / STABLE).unlink(missing_ok=True)

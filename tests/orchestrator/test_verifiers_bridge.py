@@ -18,8 +18,8 @@ from renderers import DefaultRendererConfig
 from renderers.base import load_tokenizer
 
 from primerl.orchestrator.client import install_model_client_transport
-from primerl.orchestrator.rollouts import (
-    Sample,
+from primerl.orchestrator.verifiers_bridge import (
+    RolloutSample,
     chat_client,
     load_env,
     policy_version,
@@ -66,12 +66,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool = False,
-             seeds: list[int] | None = None) -> list[Sample]:
+             seeds: list[int] | None = None) -> list[RolloutSample]:
     env = load_env(env_id)
     task = next(iter(env.taskset))
     client = chat_client(server) if chat else train_client(server, tiny_model_dir, RENDERER)
 
-    async def go() -> list[Sample]:
+    async def go() -> list[RolloutSample]:
         async with env.serving(), httpx.AsyncClient(base_url=server) as http:
             return await run_group(
                 env, task, n, model="tiny", client=client, sampling=SAMPLING,
@@ -81,7 +81,7 @@ def rollouts(server: str, tiny_model_dir: Path, env_id: str, n: int, chat: bool 
     return asyncio.run(go())
 
 
-def check_tokens(sample: Sample) -> None:
+def check_tokens(sample: RolloutSample) -> None:
     assert sample.error is None and sample.policy_versions == (0, 0)
     assert len(sample.input_ids) == len(sample.loss_mask) == len(sample.inference_logprobs) > sample.prompt_len > 0
     assert set(sample.loss_mask) == {0, 1} and sample.loss_mask[sample.prompt_len] == 1
@@ -155,7 +155,7 @@ def test_samples_take_their_versions_from_the_tokens_not_the_bracket(server: str
     async def claims_seven() -> int:
         return 7
 
-    async def go() -> list[Sample]:
+    async def go() -> list[RolloutSample]:
         async with env.serving():
             return await run_group(env, task, 2, model="tiny", client=train_client(server, tiny_model_dir, RENDERER),
                                    sampling=SAMPLING, current_version=claims_seven)

@@ -40,7 +40,7 @@ from primerl.orchestrator.versions import TOKEN_VERSIONS, Runs, TokenVersionLedg
 
 
 @dataclass(frozen=True)
-class Sample:
+class RolloutSample:
     """One training sample: a root-to-leaf token path of one rollout (single-turn and most multi-turn rollouts have
     exactly one; a rollout whose prompt re-rendering diverged from the sampled tokens has one per path).
 
@@ -258,7 +258,7 @@ async def run_group(
     current_version: Callable[[], Awaitable[int]],
     ledger: TokenVersionLedger = TOKEN_VERSIONS,
     seeds: Sequence[int] | None = None,
-) -> list[Sample]:
+) -> list[RolloutSample]:
     """Run `n` independent rollouts of `task` concurrently and return their samples (at least one per rollout).
     Rollout i sends `seeds[i]` with each of its requests (None: the server picks). Call inside `async with
     env.serving():` so rollouts share the env's interception server. `current_version` returns the policy version
@@ -285,7 +285,7 @@ def samples_from_episode(
     policy_versions: tuple[int, int],
     ledger: TokenVersionLedger | None = None,
     used: set | None = None,
-) -> list[Sample]:
+) -> list[RolloutSample]:
     """The training samples of a finished episode: one per trainable branch of each trainable trace (one empty
     sample for a trace without branches, so a failed rollout still reports its reward and error). Each sampled turn
     is looked up in `ledger` for its per-token versions (the keys found are added to `used`); a branch with a turn
@@ -309,14 +309,14 @@ def samples_from_episode(
         }
         branches = [branch for branch in trace.branches if branch.trainable]
         if not branches:
-            samples.append(Sample(input_ids=[], loss_mask=[], inference_logprobs=[], prompt_len=0,
+            samples.append(RolloutSample(input_ids=[], loss_mask=[], inference_logprobs=[], prompt_len=0,
                                   policy_versions=policy_versions, **common))
         for branch in branches:
             mask = [int(sampled) for sampled in branch.sampled_mask]
             runs = _version_runs(branch, ledger, used) if ledger is not None else None
             versions = [version for version, _ in runs or []]
             samples.append(
-                Sample(
+                RolloutSample(
                     input_ids=branch.token_ids,
                     loss_mask=mask,
                     inference_logprobs=branch.logprobs,
@@ -329,13 +329,13 @@ def samples_from_episode(
     return samples
 
 
-def rollout_records(samples: Sequence[Sample]) -> list[dict[str, Any]]:
+def rollout_records(samples: Sequence[RolloutSample]) -> list[dict[str, Any]]:
     """One record per rollout (per trace; a rollout cut into several samples is counted once), in order: its reward,
     model turns, the taskset's metrics, completion length (its longest sample's), whether it was truncated, what
     stopped it and its error. What `eval` writes per rollout and what the orchestrator's step metrics average over.
     Without token ids (the chat client) the completion length is the tokens the server says it generated (None when
     it says nothing)."""
-    by_trace: dict[str, list[Sample]] = {}
+    by_trace: dict[str, list[RolloutSample]] = {}
     for sample in samples:
         by_trace.setdefault(sample.trace_id, []).append(sample)
     records = []
