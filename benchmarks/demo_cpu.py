@@ -21,9 +21,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
+from procs import sample_tree  # benchmarks/procs.py
 from report import add_smoke_flag, emit  # benchmarks/report.py
 
 from primerl.monitor import read_metrics
@@ -55,6 +57,38 @@ def plot_rewards(path: Path, rewards: list[float]) -> None:
     plt.close(fig)
 
 
+class MemoryPeaks:
+    """Samples the PSS of every process of the command's tree (checklist children included) every `every_s`
+    seconds: the peak of their sum, and each role's own peak."""
+
+    def __init__(self, root: int, every_s: float = 2.0):
+        self.root, self.every_s = root, every_s
+        self.total_mb, self.by_role = 0.0, {}
+        self.samples = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.every_s):
+            tree = sample_tree(self.root)
+            if not tree:
+                continue
+            self.samples += 1
+            self.total_mb = max(self.total_mb, sum(facts["pss_mb"] for facts in tree.values()))
+            for role, facts in tree.items():
+                self.by_role[role] = max(self.by_role.get(role, 0.0), facts["pss_mb"])
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join()
+
+    def result(self) -> dict:
+        return {"peak_pss_gib": round(self.total_mb / 1024, 2),
+                "peak_pss_gib_by_process": {r: round(mb / 1024, 2) for r, mb in sorted(self.by_role.items())},
+                "memory_samples": self.samples, "memory_sample_every_s": self.every_s}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--recipe", type=Path, default=RECIPE)
@@ -74,9 +108,11 @@ def main(argv: list[str] | None = None) -> int:
     console = []
     with subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
         assert proc.stdout is not None
+        memory = MemoryPeaks(proc.pid)
         for line in proc.stdout:
             console.append((round(time.time() - started, 1), line.rstrip()))
             print(f"[{console[-1][0]:7.1f}s] {line}", end="", file=sys.stderr, flush=True)
+        memory.stop()
     wall = time.time() - started
     if proc.returncode != 0:
         raise SystemExit(f"rl exited {proc.returncode}; see the console above")
@@ -100,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "first3_mean": round(first3, 4),
         "last3_mean": round(last3, 4),
         "gain": round(last3 - first3, 4),
+        **memory.result(),
     }
     if args.plot:
         plot_rewards(args.plot, rewards)
