@@ -240,7 +240,7 @@ def test_the_full_checklist_passes_for_the_tiny_recipe(tmp_path):
     assert found.pop("sft_trainer") == ("skipped", "the recipe has no sft stage")
     assert {name: status for name, (status, _) in found.items()} == {name: "passed" for name in found}, found
     # The fake-data trainer step trains the recipe's own model, not the embedded default.
-    assert found["rl_trainer"][1].endswith("one micro-step on tiny, saved"), found["rl_trainer"]
+    assert "one micro-step on tiny, saved" in found["rl_trainer"][1], found["rl_trainer"]
     assert proc.returncode == 0
 
 
