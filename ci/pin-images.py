@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 from primerl.commands.recipe import lock
-from primerl.recipes.schema import RecipeError, load_recipe
+from primerl.recipes import load_recipe
+from primerl.recipes.schema import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 PINNED_VARIANTS = ("cpu", "cuda")
