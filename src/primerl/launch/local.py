@@ -272,9 +272,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     if warning := cfg.orchestrator.sampling.biased_ratio_warning():
         print(f"rl: warning: {warning}", file=stream, flush=True)
     if cfg.max_restarts and cfg.trainer.ckpt.interval is None:
-        print(f"rl: warning: max_restarts = {cfg.max_restarts} but trainer.ckpt.interval is unset: a restart trains "
-              "again from step 0 (set trainer.ckpt.interval to resume from the last checkpoint)", file=stream,
-              flush=True)
+        print(f"rl: auto-restart: up to {cfg.max_restarts}; with no periodic checkpoint (trainer.ckpt.interval) a "
+              "restart begins again at step 0", file=stream, flush=True)
     policy = RestartPolicy(cfg.max_restarts)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
