@@ -10,6 +10,11 @@ PSS and RSS over the step and reports the growth in MB per 100 steps; the run di
 34): no process grows more than 1 MB per 100 steps after warm-up, and the run directory stays bounded.
 
     uv run python benchmarks/soak.py --out benchmarks/results/soak_cpu.json [--demo]
+    uv run python benchmarks/soak.py --only demo --set rl.trainer.train.backward_dtype=float32 \
+        --out benchmarks/results/soak_cpu.json     # the demo alone; the file's other runs are kept
+
+Each run records the load average (1 min) seen while it ran, and the commit it measured: on a shared machine the step
+time follows the load, the growth per step should not.
     uv run python benchmarks/soak.py --smoke          # the tiny recipe, 12 steps, sampled every second
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -27,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from procs import sample_tree, slope, tree_size  # benchmarks/procs.py
-from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
+from report import add_smoke_flag, commit, emit, not_run  # benchmarks/report.py
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET_MB_PER_100_STEPS = 1.0
@@ -76,7 +82,7 @@ def soak(recipe: str, steps: int, work: Path, interval_s: float, ckpt_interval: 
             procs = sample_tree(proc.pid)
             size_mb, files = tree_size(run_dir) if run_dir.is_dir() else (0.0, 0)
             samples.append({"t": round(time.time() - started, 1), "step": step, "run_dir_mb": round(size_mb, 2),
-                            "run_dir_files": files,
+                            "run_dir_files": files, "load_1m": round(os.getloadavg()[0], 2),
                             "procs": {r: {k: round(v, 2) for k, v in f.items()} for r, f in procs.items()}})
             print(f"[{samples[-1]['t']:7.1f}s] step {step}/{steps} " + " ".join(
                 f"{r} {f['pss_mb']:.0f}MB" for r, f in sorted(procs.items())) + f" run {size_mb:.1f}MB/{files}",
@@ -131,6 +137,7 @@ def summarize(recipe: str, steps: int, completed: int, wall: float, samples: lis
         "wall_s": round(wall, 1),
         "warm_up_steps": max(1, int(warm_up * steps)),
         "samples": len(samples),
+        "load_average_1m": load_summary([s["load_1m"] for s in samples if "load_1m" in s]),
         "per_process": per_process,
         "run_dir": {
             "mb_per_100_steps_after_warm_up": None if run_slope is None else round(run_slope * 100, 3),
@@ -146,6 +153,13 @@ def summarize(recipe: str, steps: int, completed: int, wall: float, samples: lis
     }
 
 
+def load_summary(loads: list[float]) -> dict[str, float] | None:
+    """min, mean and max of the 1-minute load average over a run's samples."""
+    if not loads:
+        return None
+    return {"min": min(loads), "mean": round(sum(loads) / len(loads), 2), "max": max(loads)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=1000, help="steps of the tiny recipe")
@@ -155,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ckpt-interval", type=int, default=100, help="trainer checkpoint every this many steps")
     parser.add_argument("--warm-up", type=float, default=0.2, help="fraction of the steps left out of the fit")
     parser.add_argument("--work-dir", type=Path, help="where the runs go (default: a temporary directory, removed)")
+    parser.add_argument("--only", choices=("tiny", "demo"),
+                        help="run this recipe alone (its entry in --out is replaced, the others kept)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run's `rl` command, e.g. rl.trainer.train.backward_dtype=float32")
     parser.add_argument("--out", type=Path)
     add_smoke_flag(parser)
     args = parser.parse_args(argv)
@@ -163,13 +181,27 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="primerl-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"benchmark": "soak: per-process memory, files, threads and run directory over a long run"}
-    runs = {"tiny": soak("recipes/tiny.toml", args.steps, work, args.interval_s, args.ckpt_interval, args.warm_up, [])}
-    if args.demo:
-        runs["demo"] = soak("recipes/reverse-text.toml", args.demo_steps, work, args.interval_s, args.ckpt_interval,
-                            args.warm_up, [])
+    bad = [item for item in args.set if "=" not in item or not item.split("=", 1)[0]]
+    if bad:
+        parser.error(f"--set takes KEY=VALUE, got {bad[0]!r}")
+    extra = [f"--{item}" for item in args.set]
+    wanted = [args.only] if args.only else ["tiny", *(["demo"] if args.demo else [])]
+    kept = {}
+    if args.out is not None and args.out.is_file() and not args.smoke:
+        try:
+            kept = json.loads(args.out.read_text()).get("runs", {})
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"{args.out}: not a soak result to add to ({e})") from None
+    runs = {}
+    for name in wanted:
+        recipe, steps = ("recipes/tiny.toml", args.steps) if name == "tiny" else ("recipes/reverse-text.toml",
+                                                                                 args.demo_steps)
+        runs[name] = soak(recipe, steps, work, args.interval_s, args.ckpt_interval, args.warm_up, extra)
+        runs[name]["commit"] = commit()
+    runs = {**{k: v for k, v in kept.items() if k not in runs}, **runs}
     result["runs"] = runs
     result["steps_completed"] = {name: run["steps_completed"] for name, run in runs.items()}
-    if not args.demo:
+    if "demo" not in runs:
         not_run(result, "demo", "run with --demo (recipes/reverse-text.toml for --demo-steps steps)")
     if args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)

@@ -332,7 +332,10 @@ class Trainer:
             start = time.perf_counter()
             self.checkpointer.save(step, self.policy, self.optimizer, self.scheduler, data_state)
             metrics["checkpoint_s"] = time.perf_counter() - start
-        if trimmed := trim_freed_memory():  # the step's gradients, copies and logits are free by now
+        start = time.perf_counter()
+        trimmed = trim_freed_memory()  # the step's gradients, copies and logits are free by now
+        metrics["heap_trim_s"] = time.perf_counter() - start  # the check of the heap, and the trim where it fired
+        if trimmed:
             metrics["heap_trimmed_gb"] = trimmed / 1e9
         record = self.metrics.log(step, metrics)
         if self.dist.is_main:
