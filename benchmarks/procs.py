@@ -45,7 +45,9 @@ def descendants(root: int) -> list[int]:
 
 
 def sample_process(pid: int) -> dict[str, Any] | None:
-    """RSS and PSS (MB, /proc/<pid>/smaps_rollup), open files and threads of `pid`; None once it is gone."""
+    """RSS, PSS, USS (private pages) and anonymous memory (MB, /proc/<pid>/smaps_rollup), open files and threads of
+    `pid`; None once it is gone. PSS also moves when another process stops sharing a page (a forked server's pages
+    shared with its launcher): USS and anonymous memory are what the process itself holds."""
     try:
         rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
         status = Path(f"/proc/{pid}/status").read_text()
@@ -59,7 +61,9 @@ def sample_process(pid: int) -> dict[str, Any] | None:
         if parts and parts[0].isdigit():
             kb[key] = int(parts[0])
     fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-    return {"rss_mb": kb.get("Rss", 0) / 1024, "pss_mb": kb.get("Pss", 0) / 1024, "fds": fds,
+    private_kb = kb.get("Private_Clean", 0) + kb.get("Private_Dirty", 0)  # the pages no other process maps (USS)
+    return {"rss_mb": kb.get("Rss", 0) / 1024, "pss_mb": kb.get("Pss", 0) / 1024, "uss_mb": private_kb / 1024,
+            "anon_mb": kb.get("Anonymous", 0) / 1024, "fds": fds,
             "threads": int(fields["Threads"].strip()), "hwm_mb": int(fields.get("VmHWM", "0 kB").split()[0]) / 1024}
 
 

@@ -108,16 +108,21 @@ def summarize(recipe: str, steps: int, completed: int, wall: float, samples: lis
         xs = [s["step"] for s in late]
 
         def growth(key: str, late=late, xs=xs, role=role) -> float | None:
+            if not all(key in s["procs"][role] for s in late):
+                return None
             fitted = slope(xs, [s["procs"][role][key] for s in late])
             return None if fitted is None else round(fitted * 100, 3)
 
         per_process[role] = {
             "pss_mb_per_100_steps": growth("pss_mb"),
             "rss_mb_per_100_steps": growth("rss_mb"),
+            "uss_mb_per_100_steps": growth("uss_mb"),
+            "anon_mb_per_100_steps": growth("anon_mb"),
             "fds_per_100_steps": growth("fds"),
             "threads_per_100_steps": growth("threads"),
             "peak_pss_mb": max(s["procs"][role]["pss_mb"] for s in seen),
             "peak_rss_mb": max(s["procs"][role]["rss_mb"] for s in seen),
+            "peak_uss_mb": max(s["procs"][role].get("uss_mb", 0.0) for s in seen),
             "pss_mb_after_warm_up": [late[0]["procs"][role]["pss_mb"], late[-1]["procs"][role]["pss_mb"]] if late
             else None,
             "fds_max": max(s["procs"][role]["fds"] for s in seen),
