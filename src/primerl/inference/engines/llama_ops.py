@@ -60,10 +60,35 @@ class _Projection:
         return _linear(x, self.operand, self.bias, self.prepack)
 
 
+EXACT_PACKED_ROWS = 16  # up to this many rows (a decode step's), a packed matmul runs at its own row count
+
+
+def packed_rows(rows: int) -> int:
+    """The row count a packed matmul of `rows` rows runs at: `rows` itself up to `EXACT_PACKED_ROWS`, else the next of
+    24, 32, 48, 64, 96, 128, ... (two sizes per doubling: at most 1.5x the rows). oneDNN compiles and keeps kernels
+    for every input shape it meets (about 0.5 MB each, up to 1,024 of them per cache), and a prefill's rows (prompts
+    x the longest prompt) take almost every value: without the rounding the CPU server's memory grew with each new
+    prompt length, by hundreds of MB over a long run (benchmarks/NOTES.md, "The long-run soak")."""
+    if rows <= EXACT_PACKED_ROWS:
+        return rows
+    size = EXACT_PACKED_ROWS
+    while size < rows:
+        size = size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3
+    return size
+
+
 def _linear(x: torch.Tensor, operand: torch.Tensor, bias: torch.Tensor | None, packed: bool) -> torch.Tensor:
-    if packed:
+    if not packed:
+        return F.linear(x, operand, bias)
+    if torch.compiler.is_compiling():  # the compiled decode step: its shapes are the row buckets already
         return torch.ops.mkldnn._linear_pointwise(x, operand, bias, "none", [], "")
-    return F.linear(x, operand, bias)
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1])  # one row count, one kernel: [2, 48, d] and [1, 96, d] share it
+    padded = packed_rows(rows)
+    if padded != rows:
+        flat = torch.cat([flat, flat.new_zeros(padded - rows, x.shape[-1])])
+    out = torch.ops.mkldnn._linear_pointwise(flat, operand, bias, "none", [], "")
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 def _rms_norm(x: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor:
