@@ -105,3 +105,17 @@ def slope(xs: list[float], ys: list[float]) -> float | None:
     if sxx == 0:
         return None
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+
+
+def median_slope(xs: list[float], ys: list[float]) -> float | None:
+    """Theil-Sen slope: the median of the slopes between every two points with different xs. A short spike (a
+    checkpoint's buffers, a weight update's copies) moves it little, where it can tilt a least-squares line. None with
+    fewer than 3 points or no spread in xs."""
+    if len(xs) < 3:
+        return None
+    slopes = sorted((ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+                    if xs[j] != xs[i])
+    if not slopes:
+        return None
+    mid = len(slopes) // 2
+    return slopes[mid] if len(slopes) % 2 else (slopes[mid - 1] + slopes[mid]) / 2

@@ -3,11 +3,12 @@
 Runs `rl recipes/tiny.toml --no-check` for `--steps` steps (default 1,000) and, with `--demo`, `rl
 recipes/reverse-text.toml --no-check` for `--demo-steps` (default 200), each with a trainer checkpoint every
 `--ckpt-interval` steps (so rollout batches can be pruned, `trainer.ckpt.keep_rollouts`). Every `--interval-s` seconds it
-samples each process of the run (the launcher, inference, orchestrator, trainer: RSS and PSS from
-/proc/<pid>/smaps_rollup, open files, threads), the run directory's size and file count, and the trainer's step (from
-metrics.jsonl). After the warm-up (`--warm-up` of the steps, default the first 20 %) it fits a line to each process's
-PSS and RSS over the step and reports the growth in MB per 100 steps; the run directory likewise. The target (issue
-34): no process grows more than 1 MB per 100 steps after warm-up, and the run directory stays bounded.
+samples each process of the run (the launcher, inference, orchestrator, trainer: RSS, PSS, USS and anonymous memory
+from /proc/<pid>/smaps_rollup, open files, threads), the run directory's size and file count, and the trainer's step
+(from metrics.jsonl). After the warm-up (`--warm-up` of the steps, default the first 20 %) it fits a line to each
+process's memory over the step and reports the growth in MB per 100 steps (least squares; `_median`: Theil-Sen, which
+a checkpoint's short spike does not tilt); the run directory likewise. The target (issue 34): no process grows more
+than 1 MB per 100 steps after warm-up (`over_target`: least-squares PSS), and the run directory stays bounded.
 
     uv run python benchmarks/soak.py --out benchmarks/results/soak_cpu.json [--demo]
     uv run python benchmarks/soak.py --only demo --set rl.trainer.train.backward_dtype=float32 \
@@ -32,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from procs import sample_tree, slope, tree_size  # benchmarks/procs.py
+from procs import median_slope, sample_tree, slope, tree_size  # benchmarks/procs.py
 from report import add_smoke_flag, commit, emit, not_run  # benchmarks/report.py
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,10 +108,10 @@ def summarize(recipe: str, steps: int, completed: int, wall: float, samples: lis
         late = [s for s in after if role in s["procs"]]
         xs = [s["step"] for s in late]
 
-        def growth(key: str, late=late, xs=xs, role=role) -> float | None:
+        def growth(key: str, late=late, xs=xs, role=role, fit=slope) -> float | None:
             if not all(key in s["procs"][role] for s in late):
                 return None
-            fitted = slope(xs, [s["procs"][role][key] for s in late])
+            fitted = fit(xs, [s["procs"][role][key] for s in late])
             return None if fitted is None else round(fitted * 100, 3)
 
         per_process[role] = {
@@ -118,6 +119,8 @@ def summarize(recipe: str, steps: int, completed: int, wall: float, samples: lis
             "rss_mb_per_100_steps": growth("rss_mb"),
             "uss_mb_per_100_steps": growth("uss_mb"),
             "anon_mb_per_100_steps": growth("anon_mb"),
+            "pss_mb_per_100_steps_median": growth("pss_mb", fit=median_slope),
+            "uss_mb_per_100_steps_median": growth("uss_mb", fit=median_slope),
             "fds_per_100_steps": growth("fds"),
             "threads_per_100_steps": growth("threads"),
             "peak_pss_mb": max(s["procs"][role]["pss_mb"] for s in seen),
