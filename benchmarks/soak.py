@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in wanted:
         recipe, steps = ("recipes/tiny.toml", args.steps) if name == "tiny" else ("recipes/reverse-text.toml",
                                                                                  args.demo_steps)
-        runs[name] = soak(recipe, steps, work, args.interval_s, args.ckpt_interval, args.warm_up, extra)
-        runs[name]["commit"] = commit()
+        measured = commit()  # the code as the run starts: the tree may move on during a long run
+        runs[name] = {**soak(recipe, steps, work, args.interval_s, args.ckpt_interval, args.warm_up, extra),
+                      "commit": measured}
     runs = {**{k: v for k, v in kept.items() if k not in runs}, **runs}
     result["runs"] = runs
     result["steps_completed"] = {name: run["steps_completed"] for name, run in runs.items()}
