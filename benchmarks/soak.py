@@ -95,7 +95,36 @@ def soak(recipe: str, steps: int, work: Path, interval_s: float, ckpt_interval: 
         tail = log_path.read_text().splitlines()[-20:]
         raise SystemExit(f"rl {recipe} exited {proc.returncode} after {completed} steps:\n" + "\n".join(tail))
     shown = " ".join(command[2:]).replace(str(run_dir), f"<work>/{run_dir.name}")  # no path of this machine
-    return summarize(recipe, steps, completed, wall, samples, warm_up, shown)
+    return {**summarize(recipe, steps, completed, wall, samples, warm_up, shown),
+            "heap_trim": trim_cost(run_dir / "metrics.jsonl", max(1, int(warm_up * steps)))}
+
+
+def trim_cost(metrics: Path, after_step: int) -> dict[str, Any] | None:
+    """What the trainer's heap check and trim (`heap_trim_s`, after each step) cost against its steps (`step_s`),
+    over the steps after `after_step`, and where the trim fired (`heap_trimmed_gb`); None where no step logged it."""
+    rows = []
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("source") == "trainer" and "heap_trim_s" in record:
+                rows.append(record)
+    late = sorted((r for r in rows if r["step"] > after_step), key=lambda r: r["step"])
+    if not late:
+        return None
+    checks = sorted(r["heap_trim_s"] for r in late)
+    return {
+        "steps": len(late),
+        "median_ms": round(checks[len(checks) // 2] * 1e3, 2),
+        "mean_ms": round(sum(checks) / len(checks) * 1e3, 2),
+        "max_ms": round(checks[-1] * 1e3, 1),
+        "share_of_step_s_pct": round(100 * sum(checks) / sum(r["step_s"] for r in late), 3),
+        "median_step_s": round(sorted(r["step_s"] for r in late)[len(late) // 2], 3),
+        "fired": [[r["step"], round(r["heap_trimmed_gb"], 3), round(r["heap_trim_s"], 3)]
+                  for r in sorted(rows, key=lambda r: r["step"]) if "heap_trimmed_gb" in r],
+    }
 
 
 def summarize(recipe: str, steps: int, completed: int, wall: float, samples: list[dict[str, Any]], warm_up: float,

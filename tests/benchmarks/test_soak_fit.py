@@ -3,6 +3,7 @@ but not the Theil-Sen slope, and a real drift shows in both; a malformed overrid
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -49,3 +50,18 @@ def test_a_malformed_override_is_one_error():
     done = subprocess.run([sys.executable, str(BENCHMARKS / "soak.py"), "--set", "no-equals-sign"],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and "--set takes KEY=VALUE" in done.stderr and done.stdout == ""
+
+
+def test_trim_cost_over_the_steps_after_the_warm_up(tmp_path: Path):
+    lines = ['{"source": "orchestrator", "step": 1}', "not json"]
+    for step in range(1, 11):
+        record = {"source": "trainer", "step": step, "step_s": 1.0, "heap_trim_s": 0.5 if step == 1 else 0.01}
+        if step in (1, 8):
+            record["heap_trimmed_gb"] = 1.5
+        lines.append(json.dumps(record))
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("\n".join(lines) + "\n")
+    got = soak.trim_cost(metrics, after_step=2)
+    assert (got["steps"], got["median_ms"], got["share_of_step_s_pct"], got["median_step_s"]) == (8, 10.0, 1.0, 1.0)
+    assert got["fired"] == [[1, 1.5, 0.5], [8, 1.5, 0.01]]
+    assert soak.trim_cost(tmp_path / "missing.jsonl", 0) is None
