@@ -179,12 +179,12 @@ def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cl
 
 
 def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
-    """Host b's model cache is not a directory: its trainer dies at start (the model step, which would catch it, is
-    skipped). The launcher stops the processes on host a too and names the role and host."""
+    """Host b's model cache is not a directory: its trainer dies at start (the model and memory_fit steps, which would
+    catch it, are skipped). The launcher stops the processes on host a too and names the role and host."""
     run_dir = tmp_path / "run"
     roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
     deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles,
-                          checklist_skip=[*CHECKLIST_SKIP, "model"])
+                          checklist_skip=[*CHECKLIST_SKIP, "model", "memory_fit"])
     (tmp_path / "not-a-dir").write_text("")
     extra = {"deploy": {"hosts": {"b": {"env": {"PRIMERL_CACHE": str(tmp_path / "not-a-dir")}}}}}
     (tmp_path / "broken-b.toml").write_text(tomli_w.dumps(extra))
