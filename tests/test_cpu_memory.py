@@ -102,6 +102,23 @@ trimmed = trim_freed_memory(above_bytes=2**30)
 print(applied, fragmented, small, round(before - kept), trimmed > 2**30, round(before - resident_mb()))
 """
 
+# the same free space again (a step that frees what the last one did) is not trimmed twice; 512 MiB more is
+STEADY = FRAGMENTED + """
+def churn(count):
+    blocks = [libc.malloc(32 * 2**20) for _ in range(count)]
+    for block in blocks:
+        ctypes.memset(block, 1, 32 * 2**20)
+    for block in blocks:
+        libc.malloc(4096)  # a small block after each big one stays: the free space cannot merge and shrink
+        libc.free(block)
+churn(48)
+again = trim_freed_memory(above_bytes=2**30, growth_bytes=2**28)
+reused = resident_mb()
+churn(64)  # 16 blocks more than the free space holds
+more = trim_freed_memory(above_bytes=2**30, growth_bytes=2**28)
+print(again, more > trimmed + 2**28, round(reused - resident_mb()))
+"""
+
 
 @glibc_only
 def test_trim_hands_back_the_free_space_of_a_fragmented_heap_above_the_threshold():
@@ -110,6 +127,16 @@ def test_trim_hands_back_the_free_space_of_a_fragmented_heap_above_the_threshold
     assert applied == "True" and fragmented == "True"
     assert below == "0" and abs(int(kept_mb)) < 16  # under the threshold the freed pages stay for reuse
     assert trimmed == "True" and int(handed_back_mb) > 1200  # ~1.5 GiB of freed blocks handed back
+
+
+@glibc_only
+def test_trim_leaves_a_steady_free_space_alone_and_trims_its_growth():
+    out = subprocess.run([sys.executable, "-c", STEADY, "keep"], capture_output=True, text=True, check=True)
+    first, second = out.stdout.splitlines()
+    assert first.split()[4] == "True"  # the first trim, as above
+    again, more, handed_back_mb = second.split()
+    assert again == "0"  # the same free space, touched again: kept for reuse
+    assert more == "True" and int(handed_back_mb) > 400  # 512 MiB more free than at the last trim: handed back
 
 
 @glibc_only

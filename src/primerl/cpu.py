@@ -73,6 +73,8 @@ def keeps_freed_memory() -> bool:
 
 
 TRIM_ABOVE_BYTES = 2**30  # free space in the heap above which `trim_freed_memory` hands it back
+TRIM_GROWTH_BYTES = 2**28  # ... once it is also this much above the free space of the last trim
+_trimmed_free = 0  # the free bytes of this process's heap when it last trimmed
 
 
 class _Mallinfo2(ctypes.Structure):
@@ -94,19 +96,25 @@ def heap_bytes() -> tuple[int, int] | None:
     return int(info.uordblks), int(info.fordblks)
 
 
-def trim_freed_memory(above_bytes: int = TRIM_ABOVE_BYTES) -> int:
-    """Where `keep_freed_memory` applied and the heap holds more than `above_bytes` free, hand the free pages back to
-    the system (glibc's `malloc_trim(0)`): the heap's size then follows what the process uses instead of growing with
-    its fragmentation. Below the threshold nothing happens, so the step-to-step reuse `keep_freed_memory` is for is
-    kept. Returns the bytes that were free when it trimmed (0 when it did not)."""
+def trim_freed_memory(above_bytes: int = TRIM_ABOVE_BYTES, growth_bytes: int = TRIM_GROWTH_BYTES) -> int:
+    """Where `keep_freed_memory` applied and the heap holds more than `above_bytes` free, and more than `growth_bytes`
+    above what it held free at this process's last trim, hand the free pages back to the system (glibc's
+    `malloc_trim(0)`): the heap's size then follows what the process uses instead of growing with its fragmentation.
+    Otherwise nothing happens, so the step-to-step reuse `keep_freed_memory` is for is kept: a step that frees the
+    same 1.2 GB every time (the demo's trainer) is trimmed once, not every step, where each trim cost ~0.1 s and the
+    next step's page faults (2.7 % of the step; benchmarks/NOTES.md, "The long-run soak"); free space that keeps
+    growing is trimmed at each `growth_bytes` more. Returns the bytes that were free when it trimmed (0 when it did
+    not)."""
+    global _trimmed_free
     if not _kept:
         return 0
     heap = heap_bytes()
-    if heap is None or heap[1] <= above_bytes:
+    if heap is None or heap[1] <= max(above_bytes, _trimmed_free + growth_bytes):
         return 0
     libc = _glibc()
     assert libc is not None
     libc.malloc_trim(ctypes.c_size_t(0))
+    _trimmed_free = heap[1]
     return heap[1]
 
 
