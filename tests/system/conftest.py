@@ -79,8 +79,11 @@ def _install_if_missing(packages: list[str], missing) -> str | None:
     return missing()
 
 
-def _launcher_tests_enabled() -> None:
-    if os.environ.get(LAUNCHER_TESTS_VAR) != "1":
+DRILLS_VAR = "PRIMERL_DRILLS"  # the drills of `launch ssh` (test_launch_ssh_drills.py) use the SSH hosts too
+
+
+def _launcher_tests_enabled(also: str | None = None) -> None:
+    if os.environ.get(LAUNCHER_TESTS_VAR) != "1" and (also is None or os.environ.get(also) != "1"):
         pytest.skip(
             f"launcher tests are opt-in ({LAUNCHER_TESTS_VAR}=1 pytest -m launchers; .ci/run runs them as their own "
             "group): they need root for network namespaces, sshd and Slurm's daemons, and run the tiny recipe "
@@ -91,7 +94,7 @@ def _launcher_tests_enabled() -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """Two hosts `a` and `b` (network namespaces with their own sshd) and a launcher namespace."""
-    _launcher_tests_enabled()
+    _launcher_tests_enabled(also=DRILLS_VAR)
     from netns_hosts import Cluster, missing_tools
 
     why = _install_if_missing(["openssh-server", "iproute2"], missing_tools)
