@@ -182,13 +182,13 @@ def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cl
 
 
 def test_a_process_failing_at_every_start_stops_every_host_after_the_restarts_and_is_named(cluster, tmp_path):
-    """Host b's model cache is not a directory: its trainer dies at every start (the model step, which would catch it,
-    is skipped). The launcher stops the processes on host a too, restarts the run once (`--max-restarts 1`), then
-    stops for good and names the role, the host and why there is no other restart."""
+    """Host b's model cache is not a directory: its trainer dies at every start (the model and memory_fit steps, which
+    would catch it, are skipped). The launcher stops the processes on host a too, restarts the run once
+    (`--max-restarts 1`), then stops for good and names the role, the host and why there is no other restart."""
     run_dir = tmp_path / "run"
     roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
     deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles,
-                          checklist_skip=[*CHECKLIST_SKIP, "model"])
+                          checklist_skip=[*CHECKLIST_SKIP, "model", "memory_fit"])
     (tmp_path / "not-a-dir").write_text("")
     extra = {"deploy": {"hosts": {"b": {"env": {"PRIMERL_CACHE": str(tmp_path / "not-a-dir")}}}}}
     (tmp_path / "broken-b.toml").write_text(tomli_w.dumps(extra))
