@@ -73,6 +73,7 @@ def _ssh_drills(smoke: bool) -> dict:
         raise SystemExit(f"--only ssh: cannot make SSH hosts here: {why}")
     with tempfile.TemporaryDirectory() as workdir:
         work = Path(workdir)
+        (work / "cluster").mkdir()
         cluster = Cluster(work / "cluster", ["a", "b"])
         try:
             started = time.monotonic()
@@ -89,7 +90,8 @@ def _ssh_drills(smoke: bool) -> dict:
         finally:
             cluster.close()
     return {"recipe": "recipes/tiny.toml", "max_steps": ssh_drills.MAX_STEPS, "checkpoint_interval": 1,
-            "max_restarts": ssh_drills.MAX_RESTARTS, "roles": ssh_drills.LAYOUT, "uninterrupted_seconds": reference_s, "rows": rows,
+            "max_restarts": ssh_drills.MAX_RESTARTS, "roles": ssh_drills.LAYOUT, "uninterrupted_seconds": reference_s,
+            "rows": rows,
             "run": run_facts(smoke)}
 
 

@@ -87,7 +87,8 @@ def target_pid(cluster, host: str, config: str) -> int | None:
 
 
 def _steps_being_written(run_dir: Path) -> list[int]:
-    staged = [*run_dir.glob("weights/.step_*.tmp-*"), *(p.parent for p in run_dir.glob("checkpoints/step_*/trainer.tmp"))]
+    staged = [*run_dir.glob("weights/.step_*.tmp-*"),
+              *(p.parent for p in run_dir.glob("checkpoints/step_*/trainer.tmp"))]
     return [int(re.search(r"step_(\d+)", p.name).group(1)) for p in staged]
 
 

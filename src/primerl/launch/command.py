@@ -58,7 +58,8 @@ def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest 
     if target == "ssh":
         parser.add_argument("--max-restarts", type=int, metavar="N",
                             help="rl.max_restarts: restart the whole run from its last checkpoint after a process "
-                            "failed or the run hung, at most N times (default: the rl stage's, 3 for a recipe; 0 = off)")
+                            "failed or the run hung, at most N times (default: the rl stage's, 3 for a recipe; "
+                            "0 = off)")
     args, rest = parser.parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe)
