@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from docker_helpers import CI, run_in_image
+from ssh_drills import LIGHT_CHECKLIST
 
 
 def _ci(script: str, *args: str) -> str:
@@ -62,7 +63,7 @@ LAUNCHER_TESTS_VAR = "PRIMERL_LAUNCHER_TESTS"
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
 # The heavy checklist steps run whole processes: most launcher tests run the light ones on every host; the test of a
 # new user's first launch (tests/system/test_launch_ssh.py) runs the whole checklist on two hosts.
-CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
+CHECKLIST_SKIP = LIGHT_CHECKLIST
 
 
 def _install_if_missing(packages: list[str], missing) -> str | None:

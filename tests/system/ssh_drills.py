@@ -39,14 +39,19 @@ TRAINER_RANK = "trainer rank"
 FAULTS = {INFERENCE: ("inference.toml", "inference.1 on host b"), TRAINER_RANK: ("trainer.toml", "trainer.1 on host b")}
 
 
-def write_deploy(path: Path, cluster, run_dir: Path) -> Path:
-    """The drills' deploy file: hosts a and b of `cluster`, one thread per process, gloo on each host's interface."""
-    hosts = {name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
-                    "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
-             for name, h in cluster.hosts.items()}
+def write_deploy(path: Path, cluster, run_dir: Path, roles: dict | None = None, hosts: dict | None = None,
+                 **extra) -> Path:
+    """A deploy file for `cluster` (the launcher tests' too): every host with the test key, one thread per process,
+    gloo on the host's own interface, the light checklist, the hosts' keys in the known_hosts file the launcher
+    checks; `roles` default to the drills' `LAYOUT`."""
+    hosts = hosts if hosts is not None else {
+        name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
+               "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
+        for name, h in cluster.hosts.items()
+    }
     deploy = {"target": "ssh", "run_dir": str(run_dir), "checklist_skip": LIGHT_CHECKLIST, "connect_timeout_s": 5,
               "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv") or "uv"}, "hosts": hosts,
-              "roles": LAYOUT, "known_hosts": str(cluster.known_hosts)}
+              "roles": roles or LAYOUT, "known_hosts": str(cluster.known_hosts), **extra}
     path.write_text(tomli_w.dumps({"deploy": deploy}))
     return path
 

@@ -17,26 +17,12 @@ from pathlib import Path
 import pytest
 import tomli_w
 from conftest import CHECKLIST_SKIP, RECIPE
+from ssh_drills import target_pid, write_deploy
 
 from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 
 pytestmark = pytest.mark.launchers
-
-
-def write_deploy(path: Path, cluster, run_dir: Path, roles: dict, hosts: dict | None = None, **extra) -> Path:
-    """A deploy file for `cluster`: every host with the test key, gloo on the host's own interface, the hosts' keys
-    in the known_hosts file the launcher checks."""
-    hosts = hosts if hosts is not None else {
-        name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
-               "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
-        for name, h in cluster.hosts.items()
-    }
-    deploy = {"target": "ssh", "run_dir": str(run_dir), "checklist_skip": CHECKLIST_SKIP, "connect_timeout_s": 5,
-              "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv")}, "hosts": hosts, "roles": roles,
-              "known_hosts": str(cluster.known_hosts), **extra}
-    path.write_text(tomli_w.dumps({"deploy": deploy}))
-    return path
 
 
 def launch(cluster, deploy: Path, *overrides: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
@@ -207,18 +193,6 @@ def test_a_process_failing_at_every_start_stops_every_host_after_the_restarts_an
     assert_nothing_left(cluster, run_dir)
 
 
-def _trainer_pid(cluster, host: str) -> int | None:
-    """The trainer on `host` (not the host side of the launch that runs it)."""
-    for pid in sorted(cluster.hosts[host].pids()):
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "trainer.toml" in cmd and "primerl.cli" in cmd and "primerl.launch.remote" not in cmd:
-            return pid
-    return None
-
-
 def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host_and_the_run_finishes(cluster,
                                                                                                       tmp_path):
     """kill -9 of the trainer on host b after its first step: every process on both hosts is stopped and started
@@ -235,7 +209,7 @@ def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host
         while not read_metrics(run_dir, "trainer"):
             assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
             time.sleep(0.05)
-        pid = _trainer_pid(cluster, "b")
+        pid = target_pid(cluster, "b", "trainer.toml")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
         out, _ = proc.communicate(timeout=900)
