@@ -279,19 +279,20 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     policy = RestartPolicy(cfg.max_restarts)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
-    state = {"cfg": cfg, "processes": processes, "console": None, "preloaded": False}
+    console: Console | None = None
+    preloaded = False
 
     def attempt() -> int | Failure:
-        run_cfg = state["cfg"]
-        if run_cfg.resume:
+        nonlocal console, preloaded
+        if cfg.resume:
             forget_what_is_redone(run_dir, stream)
-        first_step = trained_steps(run_dir) if run_cfg.resume else 0  # after forget_what_is_redone
-        state["console"] = Console(run_dir, run_cfg.max_steps, first_step, stream)
-        state["preloaded"] = start_processes(state["processes"], stream, state["preloaded"])
-        return _supervise(state["processes"], state["console"], run_cfg, stream, started)
+        first_step = trained_steps(run_dir) if cfg.resume else 0  # after forget_what_is_redone
+        console = Console(run_dir, cfg.max_steps, first_step, stream)
+        preloaded = start_processes(processes, stream, preloaded)
+        return _supervise(processes, console, cfg, stream, started)
 
     def failed_process(failure: Failure) -> ManagedProcess | None:
-        return next((p for p in state["processes"] if p.name == failure.process), None)
+        return next((p for p in processes if p.name == failure.process), None)
 
     def give_up(failure: Failure, reason: str) -> int:
         failed = failed_process(failure)
@@ -301,12 +302,14 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         return 1
 
     def restart(failure: Failure) -> None:
-        state["console"].close()
+        nonlocal cfg, processes
+        if console is not None:
+            console.close()
         failed = failed_process(failure)
         last_lines = f"last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None else None
         record_restart(run_dir, policy, failure, last_lines)
-        state["cfg"] = state["cfg"].model_copy(update={"resume": True})
-        state["processes"] = build_processes(state["cfg"], run_dir, devices, gpus)
+        cfg = cfg.model_copy(update={"resume": True})
+        processes = build_processes(cfg, run_dir, devices, gpus)
 
     try:
         return run_with_restarts(policy, attempt, give_up, restart)
@@ -316,17 +319,17 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     except (KeyboardInterrupt, Terminated):
         stop_quietly("rl")  # a second Ctrl-C or SIGTERM while stopping: one line, no traceback
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
-        stop_all(state["processes"], cfg.shutdown_grace_s)
+        stop_all(processes, cfg.shutdown_grace_s)
         return EXIT_INTERRUPTED
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, previous_term)
-        stop_all(state["processes"], cfg.shutdown_grace_s)
+        stop_all(processes, cfg.shutdown_grace_s)
         if transfer_mode(cfg.weight_transfer).shared_memory and (left := snapshots.release_shared_buffer(run_dir)):
             print(f"rl: removed the trainer's shared weight buffer {left}, which it could not remove itself",
                   file=sys.stderr, flush=True)
-        if state["console"] is not None:
-            state["console"].close()
+        if console is not None:
+            console.close()
 
 
 def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream,
