@@ -203,9 +203,6 @@ learn)
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
     ;;
-vllm-part)  # part N (default: every part carried) of .carry/vllm into $vllm_site; after the last, the import check
-    python3 benchmarks/carry_vllm.py unpack ${3:+"$3"} --site "$vllm_site" --out "$out/vllm_part${3:+_$3}.json"
-    ;;
 vllm-tests)
     python3 -c 'import pytest, pytest_timeout' 2> /dev/null \
         || { echo "no pytest here: remake .whl/site.tar.gz with benchmarks/carry_site.py (it packs pytest)"; exit 2; }
@@ -214,7 +211,8 @@ vllm-tests)
         -p no:cacheprovider --timeout 500 --junitxml "$out/vllm_tests.xml"
     find /tmp/pytest-of-*/pytest-current/ -name inference.log -exec cp --parents {} "$out/" \; 2>/dev/null
     ;;
-vllm-part)  # part ${3:-every carried one} of .carry/vllm into $vllm_site (sha256 first), then the import check
+vllm-part)  # part N (default: every part carried) of .carry/vllm into $vllm_site (sha256 first); after the last,
+    # the import check; the last 1,500 characters of its JSON are printed (the whole is in OUT)
     python3 benchmarks/carry_vllm.py unpack ${3:+"$3"} --site "$vllm_site" --out "$out/vllm_part${3:+_$3}.json" \
         > /dev/null && tail -c 1500 "$out/vllm_part${3:+_$3}.json"
     ;;

@@ -117,3 +117,24 @@ def test_trim_does_nothing_where_freed_memory_is_not_kept():
     out = subprocess.run([sys.executable, "-c", FRAGMENTED, "default"], capture_output=True, text=True, check=True)
     applied, _, below, _, trimmed, _ = out.stdout.split()
     assert applied == "False" and below == "0" and trimmed == "False"
+
+
+INTEL_NO_BF16 = """processor\t: 0
+vendor_id\t: GenuineIntel
+model name\t: Intel(R) Xeon(R) Processor @ 2.80GHz
+flags\t\t: fpu vme avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni
+"""
+INTEL_AMX = INTEL_NO_BF16.replace("avx512_vnni", "avx512_vnni avx512_bf16 amx_bf16 amx_tile")
+ARM_BF16 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics bf16 i8mm\n"
+ARM_NO_BF16 = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32\n"
+
+
+@pytest.mark.parametrize("cpuinfo, expected", [
+    (INTEL_NO_BF16, False), (INTEL_AMX, True), (ARM_BF16, True), (ARM_NO_BF16, False), ("processor\t: 0\n", None),
+], ids=["avx512-without-bf16", "amx", "arm-bf16", "arm-without", "no-flags"])
+def test_bf16_dot_products_are_read_from_the_cpu_flags(cpuinfo, expected):
+    """"avx512_bf16" must be a whole flag: a CPU with only avx512f/avx512_vnni has none (oneDNN's own answer says
+    yes there, and its software bfloat16 was 4.5x slower than float32)."""
+    from primerl.cpu import cpu_has_bf16_dot_products
+
+    assert cpu_has_bf16_dot_products(cpuinfo) is expected

@@ -1,17 +1,41 @@
-"""What this machine's CPU offers torch's kernels."""
+"""What this machine's CPU offers torch's kernels (torch is imported only where asked: the checklist reads the
+CPU's features without it)."""
 
 from __future__ import annotations
 
 import ctypes
 import platform
-
-import torch
+from pathlib import Path
 
 
 def onednn_bf16() -> bool:
     """Whether oneDNN multiplies bfloat16 with the CPU's bfloat16 dot products (AVX512-BF16 or AMX): where it does, a
-    bfloat16 matmul runs about twice as fast as a float32 one (benchmarks/NOTES.md)."""
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    bfloat16 matmul runs about twice as fast as a float32 one (benchmarks/NOTES.md). oneDNN also reports bfloat16 as
+    supported on AVX512 CPUs without those instructions, where it converts in software: a bfloat16 matmul there took
+    4.5x the float32 one, so its answer alone is not enough."""
+    import torch
+
+    return (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and cpu_has_bf16_dot_products() is not False)
+
+
+BF16_DOT_FLAGS = {"avx512_bf16", "amx_bf16"}  # x86 (/proc/cpuinfo "flags")
+BF16_DOT_FEATURES = {"bf16"}  # aarch64 (/proc/cpuinfo "Features": BFDOT, BFMMLA)
+
+
+def cpu_has_bf16_dot_products(cpuinfo: str | None = None) -> bool | None:
+    """Whether the CPU has bfloat16 dot-product instructions, from /proc/cpuinfo's flags (x86) or features (aarch64);
+    None where that cannot be read (not Linux). Reads no torch state: the checklist's memory estimate asks too."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return bool(set(value.split()) & (BF16_DOT_FLAGS | BF16_DOT_FEATURES))
+    return None
 
 
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)

@@ -90,6 +90,7 @@ INTEGRATION = (pytest.mark.integration,)
 CASES = [
     Smoke("multinode_cpu.py", ("plans",), not_run=("layouts",)),
     Smoke("trainer.py", ("tokens_per_s", "hf_baseline_tokens_per_s", "ratio", "step_s")),
+    Smoke("backward_dtype.py", ("step_s", "bfloat16_over_float32", "auto_resolves_to", "cpu_bf16_dot_products")),
     Smoke("weights.py", ("export_s", "num_bytes", "gib_per_s")),
     Smoke("engine.py", ("engine_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s", "ratio"),
           not_run=("device_busy", "copy_bandwidth_gb_s")),

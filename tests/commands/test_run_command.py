@@ -118,11 +118,9 @@ def test_resuming_a_finished_run_has_nothing_to_do_and_leaves_it_alone(tmp_path)
                    timeout=1500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = (run_dir / "manifest.json").read_bytes()
-    started = time.monotonic()
     proc = primerl("run", str(TINY_RECIPE), "--run-dir", str(run_dir), "--rl.max_steps", "1", "--rl.resume=true")
     assert proc.returncode == 0, proc.stderr
     assert "nothing to do" in proc.stderr and "1/1 step" in proc.stderr, proc.stderr
     assert "[1/" not in proc.stdout  # no checklist ran
-    assert time.monotonic() - started < 60
     assert (run_dir / "manifest.json").read_bytes() == before
     assert read_manifest(run_dir)["stages"]["rl"]["status"] == "completed"

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, processes_of_run, rl_command, wait_for
+from conftest import REPO, processes_of_run, rl_command, run_rl, wait_for
 
 from primerl.launch.restart import forget_what_is_redone
 from primerl.monitor import read_metrics
@@ -60,6 +60,40 @@ def test_an_unwritable_run_dir_is_one_line_and_exit_2(tmp_path, where):
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert result.stderr.startswith(f"rl: cannot write to the run directory {run}"), result.stderr
+
+
+def test_an_unknown_model_is_one_line_and_leaves_no_run_dir(tmp_path):
+    """The docs' first example once failed on a model that was not there and left an empty run directory behind, so
+    the next fresh run with that output_dir was refused as "already holds a run"."""
+    run = tmp_path / "runs" / "rl"
+    result = run_rl(run, "--model.name=no-such-model", timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
+    assert "unknown model 'no-such-model'" in result.stderr, result.stderr
+    assert not run.exists()
+
+
+def test_a_run_dir_that_was_there_stays_after_a_setup_error(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    result = run_rl(run, "--model.name=no-such-model", timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert run.is_dir()
+
+
+@pytest.mark.integration
+def test_resuming_a_finished_run_has_nothing_to_do_and_starts_nothing(tmp_path):
+    run = tmp_path / "run"
+    first = run_rl(run, "--max_steps=1", timeout=900)
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    metrics = (run / "metrics.jsonl").read_bytes()
+    logs = sorted(p.name for p in (run / "logs").iterdir())
+    again = run_rl(run, "--max_steps=1", "--resume", timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "nothing to do" in again.stderr and "1/1 step" in again.stderr, again.stderr
+    assert "rl: run " not in again.stdout  # no process was started
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert sorted(p.name for p in (run / "logs").iterdir()) == logs
 
 
 def _snapshot(run: Path, step: int) -> None:

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from primerl.cpu import cpu_has_bf16_dot_products
+
 MB = 2**20
 # Resident memory of each process before its model (imports, interpreter, server loop), measured (see above): as
 # forks of a preloading launcher (rl.preload on a CPU-only run), whose pages they share and touch only in part, and
@@ -143,7 +145,7 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False) -> list[Proce
     dtype = inference.model.dtype
     dtype_bytes = DTYPE_BYTES.get(dtype, 2 if on_gpu else 4) if dtype != "auto" else (2 if on_gpu else 4)
     max_len = inference.max_model_len or cfg.seq_len
-    backward_bf16 = not on_gpu and trainer.train.backward_dtype != "float32" and _cpu_bf16()
+    backward_bf16 = not on_gpu and trainer.train.backward_dtype != "float32" and bool(cpu_has_bf16_dot_products())
     forked = cfg.preload and not on_gpu  # the launcher preloads and forks the server and the trainer (docs/rl.md)
     return [
         ProcessNeed("launcher", (PRELOADED_LAUNCHER_MB if forked else BASE_MB["launcher"]) * MB),
@@ -153,16 +155,6 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False) -> list[Proce
         trainer_need(model, cfg.seq_len, trainer.train.micro_batch_rows or 1, on_gpu, backward_bf16,
                      trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing, forked),
     ]
-
-
-def _cpu_bf16() -> bool:
-    """Whether the CPU has bfloat16 dot products (what `train.backward_dtype = auto` picks bfloat16 for), from
-    /proc/cpuinfo's flags (no torch import)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def available_bytes() -> float | None:

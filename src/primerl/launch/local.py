@@ -255,6 +255,11 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     run_dir = cfg.output_dir.resolve()
     cfg = cfg.model_copy(update={"output_dir": run_dir})
     started = time.time()
+    if cfg.resume and (done := trained_steps(run_dir)) >= cfg.max_steps:
+        print(f"rl: nothing to do: {run_dir} already trained {done}/{cfg.max_steps} step(s) (a larger max_steps trains "
+              "on from the last checkpoint); the run directory is left as it is", file=sys.stderr)
+        return 0
+    existed = run_dir.exists()
     try:
         check_run_dir(run_dir, cfg.resume)
         require_writable(run_dir)
@@ -266,6 +271,8 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
         _prepare_model(cfg)
         processes = build_processes(cfg, run_dir, devices, gpus)
     except LaunchError as e:
+        if not existed:
+            _remove_if_empty(run_dir)
         print(f"rl: {e}", file=sys.stderr)
         return 2
     print(f"rl: run {run_dir} | model {cfg.model.name} | {count(cfg.max_steps, 'step')} | max_async_steps "
@@ -330,6 +337,19 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
                   file=sys.stderr, flush=True)
         if console is not None:
             console.close()
+
+
+def _remove_if_empty(run_dir: Path) -> None:
+    """A run directory this launch created and a setup error left empty goes again (empty subdirectories too):
+    nothing was written there, and a later fresh run with the same output_dir must not find a leftover."""
+    for path in sorted(run_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True) if run_dir.is_dir() else []:
+        if not path.is_dir() or any(path.iterdir()):
+            return
+        path.rmdir()
+    try:
+        run_dir.rmdir()
+    except OSError:
+        pass  # something was written after all: keep it
 
 
 def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream,
