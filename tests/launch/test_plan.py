@@ -84,6 +84,29 @@ def test_plan_places_roles_and_splits_the_trainer_over_hosts(tmp_path):
     assert plan.admin_token not in "".join(plan.files.values())
 
 
+def test_the_plan_carries_the_restart_policy_and_the_resumed_runs_configs(tmp_path):
+    """A recipe's rl stage restarts 3 times by default; `--max-restarts N` (a launch option) sets it; a restart writes
+    the same configs with resume on (the orchestrator's `resume`, the trainer's `ckpt.resume = "latest"`)."""
+    from primerl.launch.command import parse_request
+
+    plan = plan_for(tmp_path, **ssh_deploy())
+    assert (plan.max_restarts, plan.stall_timeout_s) == (3, 600.0)
+    assert set(plan.resume_files) == {f"config/{p}.toml" for p in ("inference", "orchestrator", "trainer")}
+    fresh = {name: tomllib.loads(text) for name, text in plan.files.items() if name.endswith(".toml")}
+    resumed = {name: tomllib.loads(text) for name, text in plan.resume_files.items()}
+    assert resumed["config/trainer.toml"]["ckpt"]["resume"] == "latest"
+    assert "resume" not in fresh["config/trainer.toml"]["ckpt"]
+    assert resumed["config/orchestrator.toml"]["resume"] is True and not fresh["config/orchestrator.toml"]["resume"]
+    request = parse_request("ssh", [str(TINY), "--deploy", str(deploy_file(tmp_path, **ssh_deploy())),
+                                    "--max-restarts", "1", "--rl.stall_timeout_s=60"], "")
+    plan = build_plan(request.recipe, request.deploy, request.overrides)
+    assert (plan.max_restarts, plan.stall_timeout_s) == (1, 60.0)
+    bad = subprocess.run([sys.executable, "-m", "primerl.cli", "launch", "ssh", str(TINY), "--deploy",
+                          str(tmp_path / "deploy.toml"), "--max-restarts", "-1", "--dry-run"], capture_output=True,
+                         text=True, check=False)
+    assert bad.returncode == 2 and "max_restarts" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_one_trainer_host_runs_without_torchrun(tmp_path):
     plan = plan_for(tmp_path, **{**ssh_deploy(), "roles": {"inference": ["a"], "orchestrator": "a",
                                                           "trainer": ["b"]}})

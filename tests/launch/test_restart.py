@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
+from primerl.launch.processes import ManagedProcess, stop_all
 from primerl.launch.restart import (
     RESTARTS_LOG,
     STALLED,
@@ -15,7 +18,10 @@ from primerl.launch.restart import (
     RestartPolicy,
     record_restart,
     restarts_of_run,
+    run_with_restarts,
+    watch,
 )
+from primerl.monitor import MetricsLogger
 
 
 def test_restarts_until_the_budget_is_spent_then_stops_with_the_cause():
@@ -96,3 +102,82 @@ def test_a_restart_is_one_line_on_stderr_a_line_in_the_restarts_log_and_a_metric
     [record] = restarts_of_run(tmp_path)
     assert (record["process"], record["failed_at_step"], record["resumed_from_step"], record["restart"]) == (
         "trainer", 3, 2, 1)
+
+
+def _process(tmp_path, name: str, code: str) -> ManagedProcess:
+    return ManagedProcess(name, [sys.executable, "-c", code], tmp_path / f"{name}.log")
+
+
+def _watch(processes, tmp_path, stall_timeout_s: float = 0.0, steps: int = 0):
+    for p in processes:
+        p.start()
+    try:
+        return watch(processes, name=lambda p: p.name, finishes=lambda p: p.name != "server",
+                     stop=lambda ps: stop_all(ps, 5.0), steps_done=lambda: steps,
+                     progress=Progress(tmp_path / "metrics.jsonl"), stall_timeout_s=stall_timeout_s, poll_s=0.05)
+    finally:
+        stop_all(processes, 5.0)
+
+
+def test_watch_ends_when_the_finishers_exit_0_and_stops_the_server(tmp_path):
+    server = _process(tmp_path, "server", "import time; time.sleep(60)")
+    trainer = _process(tmp_path, "trainer", "pass")
+    assert _watch([server, trainer], tmp_path) is None
+    assert trainer.poll() == 0 and server.poll() is not None and server.poll() != 0  # stopped, not finished
+
+
+def test_watch_names_the_process_that_died_and_stops_the_others(tmp_path):
+    server = _process(tmp_path, "server", "import time; time.sleep(60)")
+    trainer = _process(tmp_path, "trainer", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+    assert _watch([server, trainer], tmp_path, steps=4) == Failure("trainer", "was killed by signal 9", 4)
+    assert server.poll() is not None
+
+
+def test_watch_sees_a_run_without_new_metrics_records_as_stalled(tmp_path):
+    server = _process(tmp_path, "server", "import time; time.sleep(60)")
+    trainer = _process(tmp_path, "trainer", "import time; time.sleep(60)")
+    failure = _watch([server, trainer], tmp_path, stall_timeout_s=0.5, steps=2)
+    assert failure is not None and (failure.process, failure.step) == (STALLED, 2)
+    assert failure.cause.startswith("made no progress")
+    assert server.poll() is not None and trainer.poll() is not None
+
+
+def test_run_with_restarts_restarts_while_the_policy_allows_then_gives_up_with_the_reason():
+    outcomes = iter([Failure.exited("trainer", 1, 0), Failure.exited("trainer", 1, 1), 0])
+    restarted, given_up = [], []
+    code = run_with_restarts(RestartPolicy(2), lambda: next(outcomes), lambda f, why: given_up.append(why) or 1,
+                             restarted.append)
+    assert code == 0 and [f.step for f in restarted] == [0, 1] and given_up == []
+    policy = RestartPolicy(1)
+    code = run_with_restarts(policy, lambda: Failure.exited("trainer", 1, 0), lambda f, why: given_up.append(why) or 7,
+                             restarted.append)
+    assert code == 7 and given_up == ["trainer exited with code 1 at step 0; all 1 restart(s) used"]
+
+
+def test_the_host_side_records_a_restart_and_forgets_what_is_redone(tmp_path):
+    """`python -m primerl.launch.restart` (what `launch ssh` runs on a host): the trained steps, then a restart's
+    record, its line, and the trainer's records after the checkpoint dropped."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "checkpoints" / "step_1" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_1" / "trainer" / "progress.json").write_text("{}")
+    trainer = MetricsLogger(tmp_path, "trainer")
+    trainer.log(1, {"loss": 1.0})
+    trainer.log(2, {"loss": 0.5})
+    host_side = [sys.executable, "-m", "primerl.launch.restart"]
+    steps = subprocess.run([*host_side, "steps", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                           check=True)
+    assert steps.stdout.strip() == "2"
+    done = subprocess.run([*host_side, "record", "--run-dir", str(tmp_path), "--restart", "1", "--max-restarts", "3",
+                           "--process", "trainer.0 on host b", "--cause", "was killed by signal 9", "--step", "2"],
+                          input="last lines of trainer.0@b.log:\nKilled\n", capture_output=True, text=True, check=True)
+    assert done.stderr.splitlines()[0] == ("launch: restart 1/3: trainer.0 on host b was killed by signal 9 at step "
+                                           "2; resuming from step 1")
+    [record] = restarts_of_run(tmp_path)
+    assert (record["process"], record["failed_at_step"], record["resumed_from_step"]) == ("trainer.0 on host b", 2, 1)
+    assert "Killed" in (tmp_path / "logs" / RESTARTS_LOG).read_text()
+    again = subprocess.run([*host_side, "steps", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                           check=True)
+    assert again.stdout.strip() == "1"  # step 2 is trained again: its record went
+    bad = subprocess.run([*host_side, "record", "--run-dir", str(tmp_path), "--restart", "4", "--max-restarts", "3"],
+                         capture_output=True, text=True, check=False)
+    assert bad.returncode == 2 and "--restart 4" in bad.stderr and len(restarts_of_run(tmp_path)) == 1

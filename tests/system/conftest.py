@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from docker_helpers import CI, run_in_image
+from ssh_drills import LIGHT_CHECKLIST
 
 
 def _ci(script: str, *args: str) -> str:
@@ -62,7 +63,7 @@ LAUNCHER_TESTS_VAR = "PRIMERL_LAUNCHER_TESTS"
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
 # The heavy checklist steps run whole processes: most launcher tests run the light ones on every host; the test of a
 # new user's first launch (tests/system/test_launch_ssh.py) runs the whole checklist on two hosts.
-CHECKLIST_SKIP = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]
+CHECKLIST_SKIP = LIGHT_CHECKLIST
 
 
 def _install_if_missing(packages: list[str], missing) -> str | None:
@@ -79,8 +80,11 @@ def _install_if_missing(packages: list[str], missing) -> str | None:
     return missing()
 
 
-def _launcher_tests_enabled() -> None:
-    if os.environ.get(LAUNCHER_TESTS_VAR) != "1":
+DRILLS_VAR = "PRIMERL_DRILLS"  # the drills of `launch ssh` (test_launch_ssh_drills.py) use the SSH hosts too
+
+
+def _launcher_tests_enabled(also: str | None = None) -> None:
+    if os.environ.get(LAUNCHER_TESTS_VAR) != "1" and (also is None or os.environ.get(also) != "1"):
         pytest.skip(
             f"launcher tests are opt-in ({LAUNCHER_TESTS_VAR}=1 pytest -m launchers; .ci/run runs them as their own "
             "group): they need root for network namespaces, sshd and Slurm's daemons, and run the tiny recipe "
@@ -91,7 +95,7 @@ def _launcher_tests_enabled() -> None:
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
     """Two hosts `a` and `b` (network namespaces with their own sshd) and a launcher namespace."""
-    _launcher_tests_enabled()
+    _launcher_tests_enabled(also=DRILLS_VAR)
     from netns_hosts import Cluster, missing_tools
 
     why = _install_if_missing(["openssh-server", "iproute2"], missing_tools)

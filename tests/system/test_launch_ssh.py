@@ -4,36 +4,25 @@ directory on the filesystem they share. The launcher itself runs in a namespace 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import tomli_w
 from conftest import CHECKLIST_SKIP, RECIPE
+from ssh_drills import target_pid, write_deploy
 
+from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 
 pytestmark = pytest.mark.launchers
-
-
-def write_deploy(path: Path, cluster, run_dir: Path, roles: dict, hosts: dict | None = None, **extra) -> Path:
-    """A deploy file for `cluster`: every host with the test key, gloo on the host's own interface, the hosts' keys
-    in the known_hosts file the launcher checks."""
-    hosts = hosts if hosts is not None else {
-        name: {"address": h.address, "user": "root", "identity_file": str(cluster.key),
-               "env": {"GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}}
-        for name, h in cluster.hosts.items()
-    }
-    deploy = {"target": "ssh", "run_dir": str(run_dir), "checklist_skip": CHECKLIST_SKIP, "connect_timeout_s": 5,
-              "shutdown_grace_s": 10, "software": {"uv": shutil.which("uv")}, "hosts": hosts, "roles": roles,
-              "known_hosts": str(cluster.known_hosts), **extra}
-    path.write_text(tomli_w.dumps({"deploy": deploy}))
-    return path
 
 
 def launch(cluster, deploy: Path, *overrides: str, timeout_s: float = 900) -> subprocess.CompletedProcess:
@@ -178,9 +167,10 @@ def test_trainer_split_over_two_hosts_and_two_inference_servers_serve_one_run(cl
     assert_nothing_left(cluster, run_dir)
 
 
-def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
-    """Host b's model cache is not a directory: its trainer dies at start (the model and memory_fit steps, which would
-    catch it, are skipped). The launcher stops the processes on host a too and names the role and host."""
+def test_a_process_failing_at_every_start_stops_every_host_after_the_restarts_and_is_named(cluster, tmp_path):
+    """Host b's model cache is not a directory: its trainer dies at every start (the model and memory_fit steps, which
+    would catch it, are skipped). The launcher stops the processes on host a too, restarts the run once
+    (`--max-restarts 1`), then stops for good and names the role, the host and why there is no other restart."""
     run_dir = tmp_path / "run"
     roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
     deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles,
@@ -188,13 +178,62 @@ def test_a_failing_process_stops_every_host_and_is_named(cluster, tmp_path):
     (tmp_path / "not-a-dir").write_text("")
     extra = {"deploy": {"hosts": {"b": {"env": {"PRIMERL_CACHE": str(tmp_path / "not-a-dir")}}}}}
     (tmp_path / "broken-b.toml").write_text(tomli_w.dumps(extra))
-    done = launch(cluster, deploy, "--deploy", str(tmp_path / "broken-b.toml"))
+    done = launch(cluster, deploy, "--deploy", str(tmp_path / "broken-b.toml"), "--max-restarts=1")
     assert done.returncode == 1
+    assert "launch: restart 1/1: trainer.0 on host b exited with code 1 at step 0; starting again from the initial " \
+        "model" in done.stdout
     failed = next(line for line in done.stdout.splitlines() if line.startswith("launch: FAILED: trainer on host b"))
-    # the cause, not the last line the trainer printed on its way down
-    assert re.search(r"\(trainer\.0@b\): .*(Error|error).*; every process was stopped", failed), failed
-    assert not (run_dir / "metrics.jsonl").exists() or trained_steps(run_dir) == []
+    # the cause, not the last line the trainer printed on its way down; then why the run is not restarted again
+    assert re.search(r"exited with code 1 \(trainer\.0@b\): .*(Error|error).*; every process was stopped "
+                     r"\(trainer\.0 on host b exited with code 1 at step 0; all 1 restart\(s\) used\)", failed), failed
+    assert [(r["process"], r["cause"]) for r in restarts_of_run(run_dir)] == [("trainer.0 on host b",
+                                                                                 "exited with code 1")]
+    assert (run_dir / "logs" / "restarts.log").read_text().count("restart 1/1") == 1
+    assert trained_steps(run_dir) == []
     assert_nothing_left(cluster, run_dir)
+
+
+def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host_and_the_run_finishes(cluster,
+                                                                                                      tmp_path):
+    """kill -9 of the trainer on host b after its first step: every process on both hosts is stopped and started
+    again, the run resumes from its last checkpoint (every step), trains every step once and exits 0."""
+    run_dir = tmp_path / "run"
+    roles = {"inference": ["a"], "orchestrator": "a", "trainer": ["b"]}
+    deploy = write_deploy(tmp_path / "deploy.toml", cluster, run_dir, roles)
+    command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE), "--deploy",
+                                       str(deploy), "--rl.max_steps=3", "--rl.trainer.ckpt.interval=1",
+                                       "--max-restarts=2")
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not read_metrics(run_dir, "trainer"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
+            time.sleep(0.05)
+        pid = target_pid(cluster, "b", "trainer.toml")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(out[-6000:])
+    assert proc.returncode == 0, out[-3000:]
+    restarts = restarts_of_run(run_dir)
+    assert [(r["process"], r["cause"]) for r in restarts] == [("trainer.0 on host b", "was killed by signal 9")]
+    assert restarts[0]["resumed_from_step"] >= 1  # a checkpoint every step: the first one at least
+    (line,) = [x for x in out.splitlines() if x.startswith("launch: restart ")]
+    assert line.startswith("launch: restart 1/2: trainer.0 on host b was killed by signal 9 at step "), line
+    assert "launch: done, 3 steps" in out and "1 restart(s)" in out
+    assert trained_steps(run_dir) == [1, 2, 3]  # each step once: the redone step's first record was dropped
+    assert snapshots_stable(run_dir, 3)
+    assert_nothing_left(cluster, run_dir)
+
+
+def snapshots_stable(run_dir: Path, step: int) -> bool:
+    from primerl.transport import snapshots
+
+    return snapshots.is_stable(snapshots.weights_dir(run_dir, step))
 
 
 def test_ctrl_c_stops_every_process_on_every_host(cluster, tmp_path):

@@ -1,7 +1,7 @@
 """`primerl launch <target> recipe.toml`: run a recipe beyond this machine. One module per target:
 
     primerl launch ssh   recipe.toml [--deploy hosts.toml] [--run-dir DIR] [--dry-run] [--accept-new-host-keys]
-                         [--rl.max_steps=5]
+                         [--max-restarts N] [--rl.max_steps=5]
     primerl launch slurm recipe.toml [--deploy slurm.toml] [--run-dir DIR] [--dry-run] [--rl.max_steps=5]
 
 The deployment comes from the recipe's `[deploy]` table merged with each `--deploy` file's (`primerl.config.deploy`);
@@ -55,10 +55,17 @@ def parse_request(target: str, argv: list[str], describe: str) -> LaunchRequest 
                         help="deploy.accept_new_host_keys: accept the key of an SSH host seen for the first time, "
                         "record it in deploy.known_hosts (default ~/.ssh/known_hosts) and log its fingerprint; without "
                         "it an unknown host key is refused")
+    if target == "ssh":
+        parser.add_argument("--max-restarts", type=int, metavar="N",
+                            help="rl.max_restarts: restart the whole run from its last checkpoint after a process "
+                            "failed or the run hung, at most N times (default: the rl stage's, 3 for a recipe; "
+                            "0 = off)")
     args, rest = parser.parse_known_args(argv)
     try:
         recipe = load_recipe(args.recipe)
         overrides = stage_overrides(recipe, rest)
+        if getattr(args, "max_restarts", None) is not None:
+            overrides.setdefault("rl", {})["max_restarts"] = args.max_restarts
         deploy = load_deploy(recipe, args.deploy, run_dir=args.run_dir, target=target,
                              accept_new_host_keys=args.accept_new_host_keys or None)
     except (RecipeError, ConfigError, PlanError) as e:

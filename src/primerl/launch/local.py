@@ -47,7 +47,9 @@ from primerl.launch.restart import (
     RestartPolicy,
     forget_what_is_redone,
     record_restart,
+    run_with_restarts,
     trained_steps,
+    watch,
 )
 from primerl.monitor import METRICS_FILE
 from primerl.ports import free_port
@@ -284,33 +286,43 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
     policy = RestartPolicy(cfg.max_restarts)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous_term = signal.signal(signal.SIGTERM, raise_terminated) if in_main_thread else None
-    console, preloaded = None, False
-    try:
-        while True:
-            if cfg.resume:
-                forget_what_is_redone(run_dir, stream)
-            first_step = trained_steps(run_dir) if cfg.resume else 0  # after forget_what_is_redone
-            console = Console(run_dir, cfg.max_steps, first_step, stream)
-            preloaded = start_processes(processes, stream, preloaded)
-            outcome = _supervise(processes, console, cfg, stream, started)
-            if isinstance(outcome, int):
-                return outcome
-            decision = policy.decide(outcome)
-            failed = next((p for p in processes if p.name == outcome.process), None)
-            if not decision.restart:
-                tail = (f"; last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None
-                        else f"; logs in {run_dir / 'logs'}")
-                print(f"rl: {decision.reason}{tail}", file=sys.stderr, flush=True)
-                return 1
+    console: Console | None = None
+    preloaded = False
+
+    def attempt() -> int | Failure:
+        nonlocal console, preloaded
+        if cfg.resume:
+            forget_what_is_redone(run_dir, stream)
+        first_step = trained_steps(run_dir) if cfg.resume else 0  # after forget_what_is_redone
+        console = Console(run_dir, cfg.max_steps, first_step, stream)
+        preloaded = start_processes(processes, stream, preloaded)
+        return _supervise(processes, console, cfg, stream, started)
+
+    def failed_process(failure: Failure) -> ManagedProcess | None:
+        return next((p for p in processes if p.name == failure.process), None)
+
+    def give_up(failure: Failure, reason: str) -> int:
+        failed = failed_process(failure)
+        tail = (f"; last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None
+                else f"; logs in {run_dir / 'logs'}")
+        print(f"rl: {reason}{tail}", file=sys.stderr, flush=True)
+        return 1
+
+    def restart(failure: Failure) -> None:
+        nonlocal cfg, processes
+        if console is not None:
             console.close()
-            last_lines = f"last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None else None
-            record_restart(run_dir, policy, outcome, last_lines)
-            cfg = cfg.model_copy(update={"resume": True})
-            try:
-                processes = build_processes(cfg, run_dir, devices, gpus)
-            except LaunchError as e:
-                print(f"rl: {e}", file=sys.stderr)
-                return 2
+        failed = failed_process(failure)
+        last_lines = f"last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None else None
+        record_restart(run_dir, policy, failure, last_lines)
+        cfg = cfg.model_copy(update={"resume": True})
+        processes = build_processes(cfg, run_dir, devices, gpus)
+
+    try:
+        return run_with_restarts(policy, attempt, give_up, restart)
+    except LaunchError as e:  # a restart's configs could not be written
+        print(f"rl: {e}", file=sys.stderr)
+        return 2
     except (KeyboardInterrupt, Terminated):
         stop_quietly("rl")  # a second Ctrl-C or SIGTERM while stopping: one line, no traceback
         print("\nrl: interrupted; stopping the processes", file=sys.stderr, flush=True)
@@ -344,32 +356,24 @@ def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig,
                started: float) -> int | Failure:
     """Watch the processes until the run ends: its exit code when it finished (0), or the `Failure` of a process that
     died or of a run that made no progress for `cfg.stall_timeout_s` (every process then stopped)."""
-    by_name = {p.name: p for p in processes}
     finishers = {"orchestrator", "trainer"}  # the servers (inference, teacher) serve until the launcher stops them
-    progress = Progress(console.path)
-    while True:
+
+    def steps_done() -> int:
         console.poll()
-        for p in processes:
-            code = p.poll()
-            if code is None or (code == 0 and p.name in finishers):
-                continue
-            stop_all([q for q in processes if q is not p], cfg.shutdown_grace_s)
-            console.poll()
-            return Failure.exited(p.name, code, console.steps_done)
-        if all(by_name[name].poll() == 0 for name in finishers):
-            console.poll()
-            stop_all([p for p in processes if p.name not in finishers], cfg.shutdown_grace_s)
-            trained = console.steps_done - console.first_step
-            resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
-            print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
-                  f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
-            _drop_old_snapshots(cfg, stream)
-            return 0
-        if cfg.stall_timeout_s and progress.idle_s() > cfg.stall_timeout_s:
-            stop_all(processes, cfg.shutdown_grace_s)
-            console.poll()
-            return Failure.stalled(cfg.stall_timeout_s, console.steps_done)
-        time.sleep(POLL_S)
+        return console.steps_done
+
+    failure = watch(processes, name=lambda p: p.name, finishes=lambda p: p.name in finishers,
+                    stop=lambda ps: stop_all(ps, cfg.shutdown_grace_s), steps_done=steps_done,
+                    progress=Progress(console.path), stall_timeout_s=cfg.stall_timeout_s, tick=console.poll,
+                    poll_s=POLL_S)
+    if failure is not None:
+        return failure
+    trained = console.steps_done - console.first_step
+    resumed = f" (resumed at step {console.first_step})" if console.first_step else ""
+    print(f"rl: done, trained {trained} step(s) to step {console.steps_done}/{cfg.max_steps}{resumed} in "
+          f"{time.time() - started:.0f}s; metrics in {cfg.output_dir / METRICS_FILE}", file=stream, flush=True)
+    _drop_old_snapshots(cfg, stream)
+    return 0
 
 
 def _drop_old_snapshots(cfg: RLConfig, stream) -> None:

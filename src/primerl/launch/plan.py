@@ -143,6 +143,10 @@ class LaunchPlan:
     processes: tuple[RoleProcess, ...]
     max_steps: int
     host_env: Mapping[str, Mapping[str, str]]  # per host: the environment everything there gets
+    resume_files: Mapping[str, str] = field(default_factory=dict)  # the process configs of a resumed run (a restart)
+    max_restarts: int = 0  # the rl stage's: restarts of the whole run after a process failed or the run hung
+    stall_timeout_s: float = 0.0  # the rl stage's: no new metrics record for this long is a hung run (0: never)
+    checkpoint_interval: int | None = None  # the trainer's: a restart resumes from the newest of these checkpoints
 
     @property
     def run_dir(self) -> str:
@@ -224,7 +228,6 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
                address_of: Callable[[str], str] | None = None, gpus: bool | None = None) -> LaunchPlan:
     """The plan for `recipe`'s RL stage over `deploy.roles`. PlanError for what cannot work."""
     from primerl.config.rl import DeviceAssignment
-    from primerl.launch.local import LaunchError, process_config_toml
 
     if deploy.roles is None:
         raise PlanError("deploy.roles: missing (which hosts run inference, orchestrator and trainer)")
@@ -255,23 +258,9 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
     servers = _servers(roles.inference, roles.inference_port)
     urls = [f"http://{_url_host(address_of(host))}:{port}" for host, port in servers]
     devices = DeviceAssignment([0] if gpus else [], list(range(world)) if gpus else [])
-    try:
-        inference, orchestrator, trainer = cfg.with_devices(devices).process_configs(devices, base_url=urls[0])
-        orchestrator.batch.num_ranks = world
-        if len(urls) > 1:
-            orchestrator.client.base_urls = urls  # requests spread over the servers; every weight version reaches all
-    except (ValueError, pydantic.ValidationError) as e:
-        raise PlanError(f"rl: {e}".splitlines()[0]) from None
-
+    files.update(_process_config_files(cfg, devices, urls, world))
+    resume_files = _process_config_files(cfg.model_copy(update={"resume": True}), devices, urls, world)
     config = PurePosixPath(deploy.run_dir) / "config"
-    try:
-        files.update({
-            "config/inference.toml": process_config_toml("inference", inference, {"admin_token", "admin_token_file"}),
-            "config/orchestrator.toml": process_config_toml("orchestrator", orchestrator, {"admin_token"}),
-            "config/trainer.toml": process_config_toml("trainer", trainer),
-        })
-    except LaunchError as e:
-        raise PlanError(str(e)) from None
 
     host_env = {host: _host_env(deploy, host, gpus) for host in dict.fromkeys(
         [*roles.inference, roles.orchestrator, *roles.trainer])}
@@ -301,7 +290,30 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
 
     return LaunchPlan(recipe=recipe, deploy=deploy, software=software, recipe_on_hosts=recipe_on_hosts,
                       files=files, admin_token=secrets.token_urlsafe(32), processes=tuple(processes),
-                      max_steps=cfg.max_steps, host_env=host_env)
+                      max_steps=cfg.max_steps, host_env=host_env, resume_files=resume_files,
+                      max_restarts=cfg.max_restarts, stall_timeout_s=cfg.stall_timeout_s,
+                      checkpoint_interval=cfg.trainer.ckpt.interval)
+
+
+def _process_config_files(cfg: Any, devices: Any, urls: list[str], world: int) -> dict[str, str]:
+    """The three process configs of `cfg` (an RLConfig) as run-directory files: path -> TOML text."""
+    from primerl.launch.local import LaunchError, process_config_toml
+
+    try:
+        inference, orchestrator, trainer = cfg.with_devices(devices).process_configs(devices, base_url=urls[0])
+        orchestrator.batch.num_ranks = world
+        if len(urls) > 1:
+            orchestrator.client.base_urls = urls  # requests spread over the servers; every weight version reaches all
+    except (ValueError, pydantic.ValidationError) as e:
+        raise PlanError(f"rl: {e}".splitlines()[0]) from None
+    try:
+        return {
+            "config/inference.toml": process_config_toml("inference", inference, {"admin_token", "admin_token_file"}),
+            "config/orchestrator.toml": process_config_toml("orchestrator", orchestrator, {"admin_token"}),
+            "config/trainer.toml": process_config_toml("trainer", trainer),
+        }
+    except LaunchError as e:
+        raise PlanError(str(e)) from None
 
 
 def _servers(hosts: Sequence[str], first_port: int) -> list[tuple[str, int]]:

@@ -6,16 +6,26 @@ failing the same way `CRASH_LOOP_FAILURES` times with no new trained step in bet
 It knows nothing about processes: the launcher tells it what failed (`Failure`) and acts on its `Decision`; a hang is
 seen by `Progress`, the run's heartbeat (its metrics.jsonl growing).
 
-The bookkeeping around a restart is here too: `record_restart` says why and records it, `forget_what_is_redone`
-clears what a resumed run trains again before any process starts.
+The loop every launcher shares is here too: `watch` follows one attempt's processes until the run is done or one of
+them failed or the run hung, `run_with_restarts` repeats attempts while the policy allows. So is the bookkeeping
+around a restart: `record_restart` says why and records it, `forget_what_is_redone` clears what a resumed run trains
+again before any process starts. A launcher that cannot reach the run directory itself (`launch ssh`) runs that
+bookkeeping on a host that can:
+
+    python -m primerl.launch.restart steps --run-dir RUN       # prints the newest trained step
+    python -m primerl.launch.restart record --run-dir RUN --restart 1 --max-restarts 3 --process P --cause C \
+        --step S < last-lines-of-the-failed-process             # record_restart, then forget_what_is_redone
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 from primerl.monitor import MetricsLogger, drop_records_after, read_metrics
 from primerl.transport import checkpoints, snapshots
@@ -94,14 +104,17 @@ class RestartPolicy:
 
 
 class Progress:
-    """How long the run has gone without a new metrics record (metrics.jsonl has not grown): its heartbeat."""
+    """How long the run has gone without a new metrics record (metrics.jsonl has not grown): its heartbeat. `metrics`
+    is the file, or a function that returns its size (a launcher that reads it on a host)."""
 
-    def __init__(self, metrics: Path):
+    def __init__(self, metrics: Path | Callable[[], int]):
         self.metrics = metrics
         self.size = self._size()
         self.since = time.monotonic()
 
     def _size(self) -> int:
+        if callable(self.metrics):
+            return self.metrics()
         try:
             return self.metrics.stat().st_size
         except FileNotFoundError:
@@ -114,15 +127,70 @@ class Progress:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The supervision loop of every launcher
+
+
+class Watched(Protocol):
+    def poll(self) -> int | None: ...  # the exit code once the process has ended
+
+
+P = TypeVar("P", bound=Watched)
+
+
+def watch(processes: Sequence[P], *, name: Callable[[P], str], finishes: Callable[[P], bool],
+          stop: Callable[[Sequence[P]], None], steps_done: Callable[[], int], progress: Progress,
+          stall_timeout_s: float, tick: Callable[[], None] = lambda: None, poll_s: float = 0.25) -> Failure | None:
+    """Follow one attempt of the run until it ends. None: every process that `finishes` by itself (orchestrator,
+    trainer) exited 0, and the others (the servers) were stopped. A `Failure`: a process exited otherwise (named by
+    `name`), or no new metrics record came for `stall_timeout_s` (0: never a stall); every process was stopped, and the
+    failure carries `steps_done()` as read after the stop. `tick` runs on every poll (a console's lines)."""
+    while True:
+        tick()
+        for p in processes:
+            code = p.poll()
+            if code is None or (code == 0 and finishes(p)):
+                continue
+            stop([q for q in processes if q is not p])
+            tick()
+            return Failure.exited(name(p), code, steps_done())
+        if all(p.poll() == 0 for p in processes if finishes(p)):
+            tick()
+            stop([p for p in processes if not finishes(p)])
+            return None
+        if stall_timeout_s and progress.idle_s() > stall_timeout_s:
+            stop(processes)
+            tick()
+            return Failure.stalled(stall_timeout_s, steps_done())
+        time.sleep(poll_s)
+
+
+def run_with_restarts(policy: RestartPolicy, attempt: Callable[[], int | Failure],
+                      give_up: Callable[[Failure, str], int], restart: Callable[[Failure], None]) -> int:
+    """Run `attempt` (the processes started, watched and stopped) until it returns an exit code; after each `Failure`
+    the policy decides: `restart(failure)` records it and prepares the resumed attempt, or `give_up(failure, reason)`
+    says why the run stops and returns the exit code."""
+    while True:
+        outcome = attempt()
+        if isinstance(outcome, int):
+            return outcome
+        decision = policy.decide(outcome)
+        if not decision.restart:
+            return give_up(outcome, decision.reason)
+        restart(outcome)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Bookkeeping of restarts and resumes
 
 
-def record_restart(run_dir: Path, policy: RestartPolicy, failure: Failure, last_lines: str | None) -> None:
-    """Say why the run restarts (one line on stderr; `last_lines`, the failed process's last log lines, in the log of
-    restarts) and append a `restart` record to metrics.jsonl (source `launcher`; the manifest counts them)."""
+def record_restart(run_dir: Path, policy: RestartPolicy, failure: Failure, last_lines: str | None,
+                   prefix: str = "rl") -> None:
+    """Say why the run restarts (one line on stderr, `prefix: restart ...`; `last_lines`, the failed process's last log
+    lines, in the log of restarts) and append a `restart` record to metrics.jsonl (source `launcher`; the manifest
+    counts them)."""
     resume_step = checkpoints.latest_trainer_step(run_dir)
     line = policy.message(failure, resume_step)
-    print(f"rl: {line}", file=sys.stderr, flush=True)
+    print(f"{prefix}: {line}", file=sys.stderr, flush=True)
     log = run_dir / "logs" / RESTARTS_LOG
     with open(log, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
@@ -135,7 +203,7 @@ def record_restart(run_dir: Path, policy: RestartPolicy, failure: Failure, last_
     })
 
 
-def forget_what_is_redone(run_dir: Path, stream) -> None:
+def forget_what_is_redone(run_dir: Path, stream, prefix: str = "rl") -> None:
     """Before a resumed run starts: weight snapshots newer than the trainer checkpoint it resumes from go (those steps
     are trained again; a server that loaded the old version k would never load the new one), and so do staging
     leftovers of a killed export and the trainer's metrics records of those steps (written again, once). Done here,
@@ -145,13 +213,42 @@ def forget_what_is_redone(run_dir: Path, stream) -> None:
     removed = snapshots.remove_after(run_dir, step)
     records = drop_records_after(run_dir, "trainer", step)
     where = run_dir / checkpoints.CHECKPOINTS_DIR / f"step_{step}"
-    print(f"rl: resuming the trainer from {where} (step {step})" if step else "rl: no trainer checkpoint; the "
-          "trainer starts from the initial model", file=stream, flush=True)
+    print(f"{prefix}: resuming the trainer from {where} (step {step})" if step else f"{prefix}: no trainer checkpoint; "
+          "the trainer starts from the initial model", file=stream, flush=True)
     if removed or leftovers or records:
-        print(f"rl: steps after {step} are trained again: removed weight snapshots {removed}, {len(leftovers)} "
+        print(f"{prefix}: steps after {step} are trained again: removed weight snapshots {removed}, {len(leftovers)} "
               f"staging leftover(s), {records} trainer record(s) of metrics.jsonl", file=stream, flush=True)
 
 
 def trained_steps(run_dir: Path) -> int:
     """The newest step the trainer recorded in metrics.jsonl (0: none)."""
     return max((int(r["step"]) for r in read_metrics(run_dir, "trainer")), default=0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The bookkeeping of a restart, run on a host that sees the run directory (see the module's docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m primerl.launch.restart", description=main.__doc__)
+    parser.add_argument("what", choices=("steps", "record"))
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--restart", type=int, default=1, help="record: this restart's number, from 1")
+    parser.add_argument("--max-restarts", type=int, default=1)
+    parser.add_argument("--process", default=STALLED, help="record: the failed process")
+    parser.add_argument("--cause", default="", help="record: how it failed")
+    parser.add_argument("--step", type=int, default=0, help="record: the last trained step when it failed")
+    parser.add_argument("--prefix", default="launch", help="record: the word before each line printed")
+    ns = parser.parse_args(argv)
+    if ns.what == "steps":
+        print(trained_steps(ns.run_dir))
+        return 0
+    if not 1 <= ns.restart <= ns.max_restarts:
+        parser.error(f"--restart {ns.restart}: must be within 1..--max-restarts ({ns.max_restarts})")
+    policy = RestartPolicy(ns.max_restarts)
+    policy.restarts = ns.restart
+    last_lines = sys.stdin.read().rstrip("\n") or None
+    record_restart(ns.run_dir, policy, Failure(ns.process, ns.cause, ns.step), last_lines, ns.prefix)
+    forget_what_is_redone(ns.run_dir, sys.stderr, ns.prefix)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

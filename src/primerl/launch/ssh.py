@@ -14,8 +14,12 @@
    processes start: inference servers, orchestrator, trainer nodes (torchrun rendezvous on the first trainer host),
    each under `primerl.launch.remote`. Their output is streamed here, each line prefixed `[role.i@host]`.
 5. Done when the orchestrator and every trainer node exit 0 (then the servers are stopped). A process that fails, or
-   Ctrl-C / SIGTERM, stops every process on every host; the summary names the failing role and host (exit 1; 130 when
-   interrupted).
+   a run with no new metrics record for the rl stage's `stall_timeout_s`, stops every process on every host. While
+   `max_restarts` allows (`--max-restarts N`, default the rl stage's: 3 for a recipe), the whole run then starts again
+   on every host and resumes from its last complete checkpoint, as `rl` does (`primerl.launch.restart`: one line with
+   the cause, a `restart` record in metrics.jsonl, a crash loop stops sooner); the bookkeeping runs on the first host,
+   which sees the run directory. Otherwise the summary names the failing role and host (exit 1). Ctrl-C / SIGTERM
+   stops every process on every host (exit 130).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RolePro
 from primerl.launch.processes import Terminated, raise_terminated
 from primerl.launch.progress import root_cause
 from primerl.launch.remote import STOP_LINE
+from primerl.launch.restart import Failure, Progress, RestartPolicy, run_with_restarts, watch
 from primerl.launch.ssh_hosts import HostError, HostKeys, connect
 
 __all__ = ["HostError", "connect", "launch"]  # connect and HostError: the Slurm target's login host too
@@ -48,6 +53,7 @@ __all__ = ["HostError", "connect", "launch"]  # connect and HostError: the Slurm
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 POLL_S = 0.25
+METRICS_POLL_S = 5.0  # how often a stall check reads the size of metrics.jsonl on the first host
 RUN_MARKERS = ("rollouts", "weights", "checkpoints", "metrics.jsonl")
 
 
@@ -252,11 +258,16 @@ class SshTarget:
             conn.run(f"{umask}mkdir -p \"$(dirname {path})\" && cat > {tmp} && mv {tmp} {path}",
                      in_stream=io.StringIO(text), hide=True, echo_stdin=False)
 
-    def start(self) -> list[RemoteProcess]:
+    def start(self, resume: bool = False) -> list[RemoteProcess]:
+        """Write the run's files through the first host (a restart: the resumed run's process configs) and start every
+        process of the plan."""
         first = self.plan.hosts[0]
-        checklist = {h: {step: status for step, (status, _) in r.steps.items()} for h, r in self.reports.items()}
-        self.put(first, {**self.plan.files, "launch/plan.json": self.plan.record(checklist)})
-        self.put(first, {ADMIN_TOKEN_FILE: self.plan.admin_token}, private=True)
+        if resume:
+            self.put(first, dict(self.plan.resume_files))
+        else:
+            checklist = {h: {step: status for step, (status, _) in r.steps.items()} for h, r in self.reports.items()}
+            self.put(first, {**self.plan.files, "launch/plan.json": self.plan.record(checklist)})
+            self.put(first, {ADMIN_TOKEN_FILE: self.plan.admin_token}, private=True)
         processes = []
         for p in self.plan.processes:
             command = self.plan.software.shell(self.plan.supervised_args(p), p.env)
@@ -264,6 +275,46 @@ class SshTarget:
         for rp in processes:
             rp.start()
         return processes
+
+    # -- restarts: the bookkeeping runs on the first host, which sees the run directory --------------------------------
+
+    def _python(self, args: list[str], what: str, stdin: str = "") -> str:
+        first = self.plan.hosts[0]
+        command = self.plan.software.shell(args, self.plan.host_env[first])
+        result = self.conn(first).run(command, hide=True, warn=True, pty=False, in_stream=io.StringIO(stdin))
+        if result.exited != 0:
+            raise HostError(f"host {first}: {what}: exit {result.exited}: {root_cause(result.stdout + result.stderr)}")
+        return result.stdout + result.stderr
+
+    def trained_steps(self) -> int:
+        """The newest step the trainer recorded in the run's metrics.jsonl."""
+        out = self._python(["-m", "primerl.launch.restart", "steps", "--run-dir", self.plan.run_dir],
+                           "reading the trained steps")
+        return int(out.split()[-1])
+
+    def record_restart(self, policy: RestartPolicy, failure: Failure, last_lines: str | None) -> None:
+        """`primerl.launch.restart`'s `record_restart` and `forget_what_is_redone` on the first host; their lines are
+        printed here."""
+        args = ["-m", "primerl.launch.restart", "record", "--run-dir", self.plan.run_dir, "--restart",
+                str(policy.restarts), "--max-restarts", str(policy.max_restarts), "--process", failure.process,
+                "--cause", failure.cause, "--step", str(failure.step)]
+        for line in self._python(args, "recording the restart", last_lines or "").splitlines():
+            self.say(line)
+
+    def metrics_size(self) -> Callable[[], int]:
+        """The size of the run's metrics.jsonl, read on the first host at most every `METRICS_POLL_S` seconds (the
+        heartbeat of a stall check)."""
+        path = shlex.quote(self.plan.path("metrics.jsonl"))
+        last = {"at": float("-inf"), "size": 0}
+
+        def size() -> int:
+            if time.monotonic() - last["at"] >= METRICS_POLL_S:
+                out = self.conn(self.plan.hosts[0]).run(f"stat -c %s {path} 2>/dev/null || echo 0", hide=True,
+                                                        warn=True, pty=False).stdout.split()
+                last.update(at=time.monotonic(), size=int(out[-1]) if out and out[-1].isdigit() else last["size"])
+            return last["size"]
+
+        return size
 
     def close(self) -> None:
         for report in self.reports.values():
@@ -337,28 +388,90 @@ def stop_all(processes: list[RemoteProcess], grace_s: float) -> None:
         p.wait(max(0.1, deadline - time.monotonic()))
 
 
-def supervise(processes: list[RemoteProcess], plan: LaunchPlan, say: Callable[[str], None], started: float) -> int:
-    finishers = [p for p in processes if p.process.finishes]
-    while True:
-        for p in processes:
-            code = p.poll()
-            if code is None or (code == 0 and p.process.finishes):
-                continue
-            stop_all([q for q in processes if q is not p], plan.deploy.shutdown_grace_s)
-            address = plan.deploy.hosts[p.process.host].address
-            tail = "\n".join(p.tail)
-            say(f"launch: FAILED: {p.process.role} on host {p.process.host} ({address}) exited with code {code} "
-                f"({p.label}): {root_cause(tail)}; every process was stopped. Last lines of "
-                f"{plan.log_path(p.process)}:\n{tail}")
-            return EXIT_FAILED
-        if all(p.poll() == 0 for p in finishers):
-            stop_all([p for p in processes if not p.process.finishes], plan.deploy.shutdown_grace_s)
-            where = "; ".join(f"{h}: {', '.join(p.label.split('@')[0] for p in processes if p.process.host == h)}"
-                              for h in plan.hosts)
-            say(f"launch: done, {plan.max_steps} steps in {time.time() - started:.0f}s on {len(plan.hosts)} host(s) "
-                f"({where}); run directory {plan.run_dir}")
-            return 0
-        time.sleep(POLL_S)
+def failed_name(p: RemoteProcess) -> str:
+    """A failed process as restart lines name it: `trainer.0 on host b`."""
+    return f"{p.label.split('@')[0]} on host {p.process.host}"
+
+
+def exit_code(p: RemoteProcess) -> int | None:
+    """`p`'s exit code as the local launcher's processes report it: the host side exits 128 + N when signal N ended
+    the process, which is -N here (`Failure.exited` says `was killed by signal N`)."""
+    code = p.poll()
+    return code if code is None or code <= 128 else 128 - code
+
+
+class _Exit:
+    """A RemoteProcess seen through `exit_code` (what `watch` polls)."""
+
+    def __init__(self, process: RemoteProcess):
+        self.process = process
+
+    def poll(self) -> int | None:
+        return exit_code(self.process)
+
+
+def supervise(processes: list[RemoteProcess], plan: LaunchPlan, target: SshTarget) -> Failure | None:
+    """Watch one attempt of the run on every host: None when it finished, else the `Failure` (every process was
+    stopped)."""
+    watched = [_Exit(p) for p in processes]
+    progress = Progress(target.metrics_size()) if plan.stall_timeout_s else Progress(lambda: 0)
+    return watch(watched, name=lambda w: failed_name(w.process), finishes=lambda w: w.process.process.finishes,
+                 stop=lambda ws: stop_all([w.process for w in ws], plan.deploy.shutdown_grace_s),
+                 steps_done=target.trained_steps, progress=progress, stall_timeout_s=plan.stall_timeout_s,
+                 poll_s=POLL_S)
+
+
+def failure_summary(plan: LaunchPlan, failure: Failure, failed: RemoteProcess | None, reason: str) -> str:
+    """The line a run that stops for good ends with: role, host, address, the cause and why there is no restart, then
+    the failed process's last lines."""
+    if failed is None:  # the run hung: no process to blame
+        return f"launch: FAILED: {reason}; every process was stopped; logs in {plan.path('logs')}"
+    address = plan.deploy.hosts[failed.process.host].address
+    tail = "\n".join(failed.tail)
+    return (f"launch: FAILED: {failed.process.role} on host {failed.process.host} ({address}) {failure.cause} "
+            f"({failed.label}): {root_cause(tail)}; every process was stopped ({reason}). Last lines of "
+            f"{plan.log_path(failed.process)}:\n{tail}")
+
+
+def run(target: SshTarget, plan: LaunchPlan, started: float, running: list[RemoteProcess]) -> int:
+    """Start the run on every host and see it to its end, restarting it while the policy allows; `running` holds the
+    processes of the current attempt (for a stop from outside)."""
+    policy = RestartPolicy(plan.max_restarts)
+    resume = False
+
+    def attempt() -> int | Failure:
+        running[:] = target.start(resume)
+        failure = supervise(running, plan, target)
+        if failure is not None:
+            return failure
+        where = "; ".join(f"{h}: {', '.join(p.label.split('@')[0] for p in running if p.process.host == h)}"
+                          for h in plan.hosts)
+        restarts = f", {policy.restarts} restart(s)" if policy.restarts else ""
+        target.say(f"launch: done, {plan.max_steps} steps in {time.time() - started:.0f}s on {len(plan.hosts)} "
+                   f"host(s) ({where}){restarts}; run directory {plan.run_dir}")
+        return 0
+
+    def failed_process(failure: Failure) -> RemoteProcess | None:
+        return next((p for p in running if failed_name(p) == failure.process), None)
+
+    def give_up(failure: Failure, reason: str) -> int:
+        target.say(failure_summary(plan, failure, failed_process(failure), reason))
+        return EXIT_FAILED
+
+    def restart(failure: Failure) -> None:
+        nonlocal resume
+        failed = failed_process(failure)
+        last_lines = (f"last lines of {plan.log_path(failed.process)}:\n" + "\n".join(failed.tail)
+                      if failed is not None else None)
+        target.record_restart(policy, failure, last_lines)
+        resume = True
+
+    if plan.max_restarts:
+        stall = f"{plan.stall_timeout_s:g}s without a new metrics record" if plan.stall_timeout_s else "off"
+        interval = (f"checkpoints every {plan.checkpoint_interval} step(s)" if plan.checkpoint_interval
+                    else "no periodic checkpoint (trainer.ckpt.interval): a restart begins again at step 0")
+        target.say(f"launch: auto-restart: up to {plan.max_restarts} (max_restarts); stall check: {stall}; {interval}")
+    return run_with_restarts(policy, attempt, give_up, restart)
 
 
 def launch(request: LaunchRequest, out=sys.stdout) -> int:
@@ -373,7 +486,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
     started = time.time()
     target = SshTarget(plan, out)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
-    processes: list[RemoteProcess] = []
+    processes: list[RemoteProcess] = []  # the current attempt's
     try:
         ok = target.preflight() and target.checklist()
         target.say("\n" + target.table())
@@ -382,8 +495,10 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
             target.say(f"launch: preflight failed on host(s) {'; '.join(bad)}; nothing was started")
             return EXIT_FAILED
         target.say(f"launch: starting {len(plan.processes)} processes on {', '.join(plan.hosts)}")
-        processes = target.start()
-        return supervise(processes, plan, target.say, started)
+        return run(target, plan, started, processes)
+    except HostError as e:  # a restart's bookkeeping failed on the first host
+        target.say(f"launch: FAILED: {e}; every process was stopped")
+        return EXIT_FAILED
     except (KeyboardInterrupt, Terminated):
         target.say("\nlaunch: interrupted; stopping every process on every host")
         stop_all(processes, plan.deploy.shutdown_grace_s)
