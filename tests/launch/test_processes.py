@@ -113,6 +113,41 @@ def test_a_second_sigterm_does_not_cut_the_stop_short():
     assert rest.strip() == "stopped" and launcher.returncode == 0
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and SIGTERM")
+def test_a_sigterm_during_the_preload_stops_the_launch(tmp_path):
+    """The preload (imports, before the server and the trainer are forked) falls back to fresh interpreters when it
+    fails; a SIGTERM arriving meanwhile is not such a failure. It once was taken for one: the launcher started every
+    process anyway and the run went on to its last step with the process that started it gone."""
+    launcher = subprocess.Popen(python(f"""
+        import signal, sys
+        from pathlib import Path
+        from primerl.launch.local import start_processes
+        from primerl.launch.processes import ManagedProcess, Terminated, raise_terminated
+        signal.signal(signal.SIGTERM, raise_terminated)
+        child = ManagedProcess("server", [sys.executable, "-c", "import time; time.sleep(60)"],
+                               Path({str(tmp_path / "server.log")!r}), fork=True)
+        assert "torch" not in sys.modules  # so the preload has torch to import: seconds, for the SIGTERM to land in
+        print("preloading", flush=True)
+        try:
+            start_processes([child], sys.stdout)
+            print("started", flush=True)
+        except Terminated:
+            print("stopped", flush=True)
+        finally:
+            if child.popen is not None:
+                child.popen.kill()
+    """), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert launcher.stdout.readline().strip() == "preloading"
+        time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+    finally:
+        rest, _ = launcher.communicate(timeout=120)
+    assert rest.strip().splitlines()[-1:] == ["stopped"], rest
+    assert "preloading failed" not in rest
+    assert not (tmp_path / "server.log").exists()  # nothing was started
+
+
 def test_children_die_with_a_killed_launcher(tmp_path):
     pid_file = tmp_path / "child.pid"
     launcher = subprocess.Popen(python(f"""

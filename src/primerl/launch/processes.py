@@ -28,8 +28,11 @@ _PR_SET_PDEATHSIG = 1
 ENTRY_MODULE = "primerl.cli"
 
 
-class Terminated(Exception):
-    """The launcher got SIGTERM (see `raise_terminated`)."""
+class Terminated(BaseException):
+    """The launcher got SIGTERM (see `raise_terminated`). A BaseException, as KeyboardInterrupt is: code that handles
+    what can go wrong in its own work (`except Exception`, e.g. a failed preload that falls back to fresh interpreters)
+    must not swallow the stop. It once did: a SIGTERM during the preload was taken for a failed import, and the run
+    went on to its last step."""
 
 
 def raise_terminated(signum, frame) -> None:
