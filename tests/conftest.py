@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +21,12 @@ from pathlib import Path
 import pytest
 
 from primerl.ports import free_port
+
+# A test run started in the background of a script (`pytest ... &`, nohup) inherits SIGINT ignored, and so would every
+# process the tests start: the tests that press Ctrl-C (SIGINT to a process they started) then waited for processes
+# that could not hear it. The processes get the default back on exec once this one handles SIGINT, as under a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
