@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # drill_records
 sys.path.insert(0, str(REPO / "tests" / "integration"))
 
 from drills import (

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from conftest import REPO, batch_meta, processes_of_run, rl_command, wait_for
+from conftest import REPO, processes_of_run, rl_command, wait_for
+from drill_records import restart_figures, steps_being_written, tasks_per_step
 
-from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 from primerl.transport import snapshots
 
@@ -56,22 +56,11 @@ DRILLS = [
 ]
 
 
-def _steps_being_written(run: Path) -> list[int]:
-    """Steps whose weights or checkpoint were being written (staging directories present)."""
-    staged = [*run.glob("weights/.step_*.tmp-*"), *(p.parent for p in run.glob("checkpoints/step_*/trainer.tmp"))]
-    return [int(re.search(r"step_(\d+)", p.name).group(1)) for p in staged]
-
-
 def _pid_of(run: Path, process: str, launcher: subprocess.Popen) -> int | None:
     if process == "rl":
         return launcher.pid
     found = [pid for pid, cmd in processes_of_run(run).items() if f"{process}.toml" in cmd]
     return min(found) if found else None
-
-
-def tasks_per_step(run: Path) -> list[list[str]]:
-    """The task ids of each published batch, step by step."""
-    return [batch_meta(run, step)["extra"]["tasks"] for step in range(len(list(run.glob("rollouts/step_*"))))]
 
 
 def run_uninterrupted(run: Path) -> subprocess.CompletedProcess:
@@ -94,7 +83,7 @@ def run_drill(drill: Drill, run: Path, uninterrupted: Path | None = None) -> dic
     pid = _pid_of(run, drill.process, launcher)
     os.kill(pid, signal.SIGKILL)
     trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
-    started_before = max([trained_before, *_steps_being_written(run)])
+    started_before = max([trained_before, *steps_being_written(run)])
     launcher.communicate(timeout=300)
     wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the killed run to stop")
     first_exit = launcher.returncode
@@ -177,39 +166,24 @@ def run_restart_drill(fault: str, run: Path, uninterrupted: Path | None = None,
                 os.kill(_pid_of(run, fault, launcher), signal.SIGKILL)
             killed = [fault]
             trained_before = max((r["step"] for r in read_metrics(run, "trainer")), default=0)
-            started_before = max([trained_before, *_steps_being_written(run)])
+            started_before = max([trained_before, *steps_being_written(run)])
         out, err = launcher.communicate(timeout=1800)
     finally:
         stop.set()
         if launcher.poll() is None:
             launcher.kill()
     wait_for(lambda: not processes_of_run(run), timeout=120, what="every process of the run to stop")
-    restarts = restarts_of_run(run)
-    failed_at = max([started_before, *(r["failed_at_step"] for r in restarts[:1])])
-    resumed_from = restarts[0]["resumed_from_step"] if restarts else None
-    trainer_steps = [r["step"] for r in read_metrics(run, "trainer")]
-    batch_steps = [r["step"] for r in read_metrics(run, "orchestrator")]
-    finished = launcher.returncode == 0 and snapshots.is_stable(snapshots.weights_dir(run, MAX_STEPS))
+    figures = restart_figures(run, MAX_STEPS, launcher.returncode, started_before, uninterrupted)
     lines = err.splitlines()
     return {
         "fault": {EVERY_START: f"SIGKILL {fault}", HUNG: f"SIGSTOP trainer once, mid-run (stall_timeout_s "
                   f"{STALL_TIMEOUT_S})"}.get(fault, f"SIGKILL {fault} once, mid-run"),
         "max_restarts": max_restarts,
         "kills": len(killed),
-        "restarts": len(restarts),
-        "causes": [f"{r['process']} {r['cause']}" for r in restarts],
         "trained_before_kill": trained_before if fault != EVERY_START else None,
-        "resumed_from_checkpoint": resumed_from,
-        "steps_redone": max(0, failed_at - resumed_from) if resumed_from is not None else None,
-        "steps_lost": len(set(range(1, MAX_STEPS + 1)) - set(trainer_steps)),
-        "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
-        "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),
-        "task_order_equal": None if uninterrupted is None or not finished
-        else tasks_per_step(run) == tasks_per_step(uninterrupted),
-        "exit_code": launcher.returncode,
+        **figures,
         "restart_lines": [line for line in lines if line.startswith("rl: restart ")],
         "stop_line": next((line for line in lines if line.startswith("rl: crash loop") or "restart(s) used" in line),
                           None),
-        "outcome": "finished" if finished else "stopped",
-        "tail": "" if finished or fault == EVERY_START else (out + err)[-1500:],
+        "tail": "" if figures["outcome"] == "finished" or fault == EVERY_START else (out + err)[-1500:],
     }

@@ -10,9 +10,7 @@ on the same tasks as in an uninterrupted launch of the same recipe, seed and lay
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -21,10 +19,9 @@ import time
 from pathlib import Path
 
 import tomli_w
+from drill_records import restart_figures, steps_being_written
 
-from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
-from primerl.transport import snapshots
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "tiny.toml"
@@ -71,13 +68,6 @@ def run_uninterrupted(cluster, work: Path) -> tuple[Path, subprocess.CompletedPr
     return run_dir, done
 
 
-def tasks_per_step(run_dir: Path) -> list[list[str]]:
-    """The task ids of each published batch, step by step."""
-    steps = len(list(run_dir.glob("rollouts/step_*")))
-    return [json.loads((run_dir / "rollouts" / f"step_{k}" / "meta.json").read_text())["extra"]["tasks"]
-            for k in range(steps)]
-
-
 def target_pid(cluster, host: str, config: str) -> int | None:
     """The process on `host` that runs primerl with `config`: not the host side of the launch, not torchrun's agent."""
     for pid in sorted(cluster.hosts[host].pids()):
@@ -89,12 +79,6 @@ def target_pid(cluster, host: str, config: str) -> int | None:
                 "torch.distributed.run" not in cmd:
             return pid
     return None
-
-
-def _steps_being_written(run_dir: Path) -> list[int]:
-    staged = [*run_dir.glob("weights/.step_*.tmp-*"),
-              *(p.parent for p in run_dir.glob("checkpoints/step_*/trainer.tmp"))]
-    return [int(re.search(r"step_(\d+)", p.name).group(1)) for p in staged]
 
 
 def run_ssh_drill(cluster, fault: str, work: Path, uninterrupted: Path | None = None) -> dict:
@@ -115,36 +99,20 @@ def run_ssh_drill(cluster, fault: str, work: Path, uninterrupted: Path | None = 
         assert pid is not None, f"{fault}: no {config} process on host b"
         os.kill(pid, signal.SIGKILL)
         trained_before = max((r["step"] for r in read_metrics(run_dir, "trainer")), default=0)
-        started_before = max([trained_before, *_steps_being_written(run_dir)])
+        started_before = max([trained_before, *steps_being_written(run_dir)])
         out, _ = launcher.communicate(timeout=1200)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
-    restarts = restarts_of_run(run_dir)
-    failed_at = max([started_before, *(r["failed_at_step"] for r in restarts[:1])])
-    resumed_from = restarts[0]["resumed_from_step"] if restarts else None
-    trainer_steps = [r["step"] for r in read_metrics(run_dir, "trainer")]
-    batch_steps = [r["step"] for r in read_metrics(run_dir, "orchestrator")]
-    finished = launcher.returncode == 0 and snapshots.is_stable(snapshots.weights_dir(run_dir, MAX_STEPS))
-    lines = out.splitlines()
+    figures = restart_figures(run_dir, MAX_STEPS, launcher.returncode, started_before, uninterrupted)
     return {
         "fault": f"SIGKILL {name.replace(' on host ', '@')} ({fault}) once, mid-run",
         "layout": "inference on a and b, orchestrator on a, trainer over a and b (2 ranks)",
         "max_restarts": MAX_RESTARTS,
-        "restarts": len(restarts),
-        "causes": [f"{r['process']} {r['cause']}" for r in restarts],
         "trained_before_kill": trained_before,
-        "resumed_from_checkpoint": resumed_from,
-        "steps_redone": max(0, failed_at - resumed_from) if resumed_from is not None else None,
-        "steps_lost": len(set(range(1, MAX_STEPS + 1)) - set(trainer_steps)),
-        "duplicate_trainer_records": len(trainer_steps) - len(set(trainer_steps)),
-        "duplicate_batch_records": len(batch_steps) - len(set(batch_steps)),
-        "task_order_equal": None if uninterrupted is None or not finished
-        else tasks_per_step(run_dir) == tasks_per_step(uninterrupted),
-        "exit_code": launcher.returncode,
-        "restart_lines": [line for line in lines if line.startswith("launch: restart ")],
-        "outcome": "finished" if finished else "stopped",
+        **figures,
+        "restart_lines": [line for line in out.splitlines() if line.startswith("launch: restart ")],
         "seconds": round(time.monotonic() - started, 1),
-        "tail": "" if finished else out[-3000:],
+        "tail": "" if figures["outcome"] == "finished" else out[-3000:],
     }

@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 
 import pytest
-from ssh_drills import FAULTS, INFERENCE, MAX_RESTARTS, run_ssh_drill, run_uninterrupted, tasks_per_step
+from drill_records import tasks_per_step
+from ssh_drills import FAULTS, INFERENCE, MAX_RESTARTS, run_ssh_drill, run_uninterrupted
 
 pytestmark = pytest.mark.drills
 
