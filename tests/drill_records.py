@@ -51,3 +51,12 @@ def restart_figures(run: Path, max_steps: int, returncode: int, started_before: 
         "exit_code": returncode,
         "outcome": "finished" if finished else "stopped",
     }
+
+
+def assert_nothing_lost(row: dict[str, Any], run: Path, uninterrupted: Path) -> None:
+    """What every drill that ends in a finished run must show: the uninterrupted run's task order, no step lost or
+    recorded twice, at most the one step being trained when the fault struck done again (checkpoints every step)."""
+    assert row["task_order_equal"], (tasks_per_step(run), tasks_per_step(uninterrupted))
+    assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
+    assert row["duplicate_batch_records"] == 0, row
+    assert row["steps_redone"] <= 1, row

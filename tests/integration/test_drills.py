@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import REPO, processes_of_run, rl_command, wait_for
+from drill_records import assert_nothing_lost
 from drills import (
     DRILLS,
     EVERY_START,
@@ -24,7 +25,6 @@ from drills import (
     run_drill,
     run_restart_drill,
     run_uninterrupted,
-    tasks_per_step,
 )
 
 from primerl.monitor import read_metrics
@@ -63,10 +63,7 @@ def uninterrupted(tmp_path_factory) -> Path:
 def test_kill_then_resume(drill, tmp_path, uninterrupted):
     row = run_drill(drill, tmp_path / "run", uninterrupted)
     assert row["outcome"] == "finished", row
-    assert row["task_order_equal"], (tasks_per_step(tmp_path / "run"), tasks_per_step(uninterrupted))
-    assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
-    assert row["duplicate_batch_records"] == 0, row
-    assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+    assert_nothing_lost(row, tmp_path / "run", uninterrupted)
 
 
 @pytest.mark.parametrize("process", RESTART_DRILLS)
@@ -76,10 +73,7 @@ def test_restart_after_a_kill_finishes_the_run_by_itself(process, tmp_path, unin
     assert row["restarts"] == 1 and row["causes"] == [f"{process} was killed by signal 9"], row
     assert len(row["restart_lines"]) == 1 and row["restart_lines"][0].startswith(
         f"rl: restart 1/3: {process} was killed by signal 9 at step "), row
-    assert row["task_order_equal"], (tasks_per_step(tmp_path / "run"), tasks_per_step(uninterrupted))
-    assert row["steps_lost"] == 0 and row["duplicate_trainer_records"] == 0, row
-    assert row["duplicate_batch_records"] == 0, row
-    assert row["steps_redone"] <= 1, row  # checkpoints every step: at most the step being trained
+    assert_nothing_lost(row, tmp_path / "run", uninterrupted)
 
 
 def test_restart_after_a_hang_finishes_the_run_by_itself(tmp_path, uninterrupted):
@@ -88,8 +82,7 @@ def test_restart_after_a_hang_finishes_the_run_by_itself(tmp_path, uninterrupted
     row = run_restart_drill(HUNG, tmp_path / "run", uninterrupted)
     assert row["outcome"] == "finished" and row["exit_code"] == 0, row
     assert row["restarts"] == 1 and row["causes"][0].startswith("the run made no progress"), row
-    assert row["task_order_equal"] and row["steps_lost"] == 0 and row["steps_redone"] <= 1, row
-    assert row["duplicate_trainer_records"] == 0 and row["duplicate_batch_records"] == 0, row
+    assert_nothing_lost(row, tmp_path / "run", uninterrupted)
 
 
 def test_restart_a_fault_at_every_start_is_a_crash_loop_that_stops_with_the_cause(tmp_path):
