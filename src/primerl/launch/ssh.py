@@ -358,7 +358,10 @@ class RemoteProcess:
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
             self.say(f"[{self.label}] {line}")
-        self.code = self.channel.recv_exit_status()
+        code = self.channel.recv_exit_status()
+        # the host side exits 128 + N when signal N ended the process (primerl.launch.remote); a local process's code
+        # is then -N, which is what `Failure.exited` reads as "was killed by signal N"
+        self.code = code if code <= 128 else 128 - code
 
     def poll(self) -> int | None:
         return self.code
@@ -393,30 +396,12 @@ def failed_name(p: RemoteProcess) -> str:
     return f"{p.label.split('@')[0]} on host {p.process.host}"
 
 
-def exit_code(p: RemoteProcess) -> int | None:
-    """`p`'s exit code as the local launcher's processes report it: the host side exits 128 + N when signal N ended
-    the process, which is -N here (`Failure.exited` says `was killed by signal N`)."""
-    code = p.poll()
-    return code if code is None or code <= 128 else 128 - code
-
-
-class _Exit:
-    """A RemoteProcess seen through `exit_code` (what `watch` polls)."""
-
-    def __init__(self, process: RemoteProcess):
-        self.process = process
-
-    def poll(self) -> int | None:
-        return exit_code(self.process)
-
-
 def supervise(processes: list[RemoteProcess], plan: LaunchPlan, target: SshTarget) -> Failure | None:
     """Watch one attempt of the run on every host: None when it finished, else the `Failure` (every process was
     stopped)."""
-    watched = [_Exit(p) for p in processes]
     progress = Progress(target.metrics_size()) if plan.stall_timeout_s else Progress(lambda: 0)
-    return watch(watched, name=lambda w: failed_name(w.process), finishes=lambda w: w.process.process.finishes,
-                 stop=lambda ws: stop_all([w.process for w in ws], plan.deploy.shutdown_grace_s),
+    return watch(processes, name=failed_name, finishes=lambda p: p.process.finishes,
+                 stop=lambda ps: stop_all(list(ps), plan.deploy.shutdown_grace_s),
                  steps_done=target.trained_steps, progress=progress, stall_timeout_s=plan.stall_timeout_s,
                  poll_s=POLL_S)
 
