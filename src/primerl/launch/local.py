@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import sys
 import threading
@@ -340,16 +341,10 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
 
 
 def _remove_if_empty(run_dir: Path) -> None:
-    """A run directory this launch created and a setup error left empty goes again (empty subdirectories too):
-    nothing was written there, and a later fresh run with the same output_dir must not find a leftover."""
-    for path in sorted(run_dir.rglob("*"), key=lambda p: len(p.parts), reverse=True) if run_dir.is_dir() else []:
-        if not path.is_dir() or any(path.iterdir()):
-            return
-        path.rmdir()
-    try:
-        run_dir.rmdir()
-    except OSError:
-        pass  # something was written after all: keep it
+    """A run directory this launch created and a setup error left without a file goes again (its empty
+    subdirectories with it): a later fresh run with the same output_dir must not find a leftover."""
+    if run_dir.is_dir() and all(path.is_dir() for path in run_dir.rglob("*")):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def _supervise(processes: list[ManagedProcess], console: Console, cfg: RLConfig, stream,
