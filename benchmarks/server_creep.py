@@ -4,7 +4,8 @@ Loads the engine in this process as `primerl inference` does on the CPU (`keep_f
 `--batches` batches of the reverse-text demo's shape: `--prompts` distinct prompts of random lengths in
 [`--min-prompt`, `--max-prompt`] tokens x `--group` completions each, up to `--max-tokens` new tokens at temperature
 1 (each a random length from `--min-tokens`, as if it stopped there), and a new weight version (every parameter copied in place from a perturbed copy, as a shared-memory version is)
-every `--update-every` batches, applied while the batch decodes. Every `--sample-every` batches it records the process's memory
+every `--update-every` batches, applied while the batch decodes (every `--file-every` batches read from a
+safetensors file instead, as the server reads a checkpoint's version). Every `--sample-every` batches it records the process's memory
 (/proc/self/smaps_rollup: RSS, PSS, USS, anonymous), glibc's heap (bytes in use, bytes free: `mallinfo2`) and the
 number of distinct input shapes the decoder's packed matmuls and attention products have met, then fits a line over
 the batches after the warm-up (`--warm-up`, a fraction) and reports MB per 100 batches for each. Heap fragmentation
@@ -106,6 +107,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     params = dict(engine.model.named_parameters())
     versions = [{n: (p + torch.randn_like(p) * 1e-4 * sign).contiguous() for n, p in params.items()}
                 for sign in (1.0, -1.0)]
+    snapshot = None
+    if args.file_every:
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        snapshot = Path(tempfile.mkdtemp(prefix="server-creep-")) / "model.safetensors"
+        save_file(versions[0], str(snapshot))
     rng = random.Random(args.seed)
     vocab = min(engine.vocab_size, 20000)
     samples: list[dict[str, Any]] = []
@@ -137,24 +146,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                  for i, p in enumerate(prompts) for j in range(args.group)]
         if batch % args.update_every == 0:  # a new version arrives while the batch decodes, as with async RL
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-            await engine.load_named_tensors(versions[batch // args.update_every % 2], batch, "perturbed copy")
+            if args.file_every and batch % args.file_every == 0:  # a checkpoint's version: read from its file
+                await engine.update_weights(snapshot, batch)
+            else:
+                await engine.load_named_tensors(versions[batch // args.update_every % 2], batch, "perturbed copy")
         tokens_out += sum(await asyncio.gather(*tasks))
     await engine.stop()
 
-    after = [s for s in samples if s["batch"] >= args.warm_up * args.batches]
-    xs = [s["batch"] for s in after]
-    growth = {}
-    for key in ("pss_mb", "uss_mb", "anon_mb", "heap_in_use_mb", "heap_free_mb", "linear_shapes", "matmul_shapes"):
-        ys = [s[key] for s in after]
-        fit, median = slope(xs, ys), median_slope(xs, ys)
-        growth[key] = {"per_100_batches": None if fit is None else round(fit * 100, 3),
-                       "per_100_batches_median": None if median is None else round(median * 100, 3)}
-    return {
-        "settings": {k: v for k, v in vars(args).items() if k != "out"},
-        "keep_freed_memory": kept, "tokens_out": tokens_out, "wall_s": round(time.monotonic() - started, 1),
-        "growth_after_warm_up": growth, "samples": samples,
-    }
-
+    keys = ("pss_mb", "uss_mb", "anon_mb", "heap_in_use_mb", "heap_free_mb", "linear_shapes", "matmul_shapes")
+    return summarize(args, samples, keys, {"keep_freed_memory": kept, "tokens_out": tokens_out,
+                                           "wall_s": round(time.monotonic() - started, 1)})
 
 async def run_http(args: argparse.Namespace) -> dict[str, Any]:
     """The real `primerl inference` process (the demo's settings: one thread, 16 rows, 512 positions), sent the
@@ -243,6 +244,8 @@ def main() -> int:
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--update-every", type=int, default=1)
+    parser.add_argument("--file-every", type=int, default=0,
+                        help="every this many batches the version is read from a safetensors file, as at a checkpoint")
     parser.add_argument("--sample-every", type=int, default=10)
     parser.add_argument("--warm-up", type=float, default=0.34)
     parser.add_argument("--threads", type=int, default=None)

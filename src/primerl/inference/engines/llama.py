@@ -154,6 +154,7 @@ class LlamaDecoder(Decoder):
 
     @torch.inference_mode()
     def weights_changed(self) -> None:
+        self.layer_operands = []  # the old packings' last references: each is freed before its re-pack
         for projection in (self.lm_head, *(p for layer in self.projections for p in layer.values())):
             projection.refresh()
         self.layer_operands = self._layer_operands()

@@ -48,7 +48,13 @@ class _Projection:
         self.refresh()
 
     def refresh(self) -> None:
+        """Re-pack the weight. The old packing is freed first, so the new one (the same size) takes its place in the
+        heap: a server keeps every block it frees (`primerl.cpu.keep_freed_memory`), and a new packing made while the
+        old one lived went elsewhere each version, around the blocks allocated in between, and the heap's free space
+        grew with the versions (benchmarks/NOTES.md, "The long-run soak", section 7). The caller holds no other
+        reference to the old packing (`LlamaDecoder.weights_changed`)."""
         if self.prepack:
+            self.packed = None
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight)
 
     @property
