@@ -57,7 +57,8 @@ def test_a_drifted_pin_stops_start_with_the_pin_named_and_writes_no_manifest(tmp
     recipe = tmp_path / "tiny.toml"
     recipe.write_text(TINY_RECIPE.read_text().replace('python = "3.11"', 'python = "2.7"'))
     assert main(["start", "--run-dir", str(run_dir), "--recipe", str(recipe), "--host", "a"]) == 3
-    assert "pin(s) differ from this machine" in capsys.readouterr().err
+    [line] = capsys.readouterr().err.splitlines()  # one line, as the launcher shows it, the drifted pin in it
+    assert line.startswith("error: ") and "pin(s) differ from this machine" in line and "python" in line, line
     assert not (run_dir / MANIFEST_FILE).exists()
 
 

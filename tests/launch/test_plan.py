@@ -183,12 +183,16 @@ def test_one_node_job_is_requeued_and_then_resumes_the_run(tmp_path):
     # the recipe's line, run by bash with `python` replaced by echo: the first start does not resume, a requeued one does
     (line,) = [line for line in script.splitlines() if " run " in line and "--run-dir" in line]
     start = script.index("RESUME=()")
-    snippet = script[start:script.index("\n", script.index(line))].replace(line.split()[0], "echo", 1)
+    snippet = script[start:script.index("\n", script.index(line))].replace(line.split()[0], "echo")
     for count, resumes in (("0", False), ("2", True)):
-        env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": count, "SLURM_JOB_ID": "7"}
+        env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": count, "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1"}
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", snippet], env=env, capture_output=True, text=True,
                              check=True).stdout
         assert out.rstrip().endswith("--rl.max_steps=2 --rl.resume=true") is resumes, out
+        # a requeued job first records its restart (in metrics.jsonl, restarts.log and the manifest), then resumes
+        record = ("-m primerl.launch.restart requeued --run-dir /shared/run --prefix primerl --host n1 --job 7 "
+                  "--count 2")
+        assert (record in out) is resumes, out
     multi = slurm_script(tmp_path, nodes=3, inference_nodes=1)
     assert "--requeue" not in multi  # the roles of several nodes do not resume
 

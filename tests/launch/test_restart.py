@@ -217,3 +217,27 @@ def test_the_host_side_records_a_restart_and_forgets_what_is_redone(tmp_path):
     bad = subprocess.run([*host_side, "record", "--run-dir", str(tmp_path), "--restart", "4", "--max-restarts", "3"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--restart 4" in bad.stderr and len(restarts_of_run(tmp_path)) == 1
+
+
+def test_a_requeued_slurm_job_records_its_restart_like_the_others(tmp_path):
+    """What a one-node Slurm job that Slurm requeued runs before it resumes the run (job.sbatch.j2): the restart's
+    line, its record in metrics.jsonl and its entry in the manifest, with the job, the node and the steps."""
+    write_manifest(tmp_path, {"updated_at": "then", "stages": {"rl": {"status": "completed"}}})
+    (tmp_path / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_2" / "trainer" / "progress.json").write_text("{}")
+    trainer = MetricsLogger(tmp_path, "trainer")
+    for step in (1, 2, 3):
+        trainer.log(step, {"loss": 1.0})
+    done = subprocess.run([sys.executable, "-m", "primerl.launch.restart", "requeued", "--run-dir", str(tmp_path),
+                           "--prefix", "primerl", "--host", "n1", "--job", "7", "--count", "1"],
+                          capture_output=True, text=True, check=True)
+    line = ("primerl: restart (requeue 1): slurm job 7 was requeued by Slurm (SLURM_RESTART_COUNT 1) at step 3; "
+            "resuming from step 2")
+    assert done.stderr.splitlines() == [line]
+    [record] = restarts_of_run(tmp_path)
+    assert (record["process"], record["host"], record["failed_at_step"], record["resumed_from_step"]) == (
+        "slurm job 7", "n1", 3, 2)
+    assert line.removeprefix("primerl: ") in (tmp_path / "logs" / RESTARTS_LOG).read_text()
+    assert read_manifest(tmp_path)["stages"]["rl"]["restart_entries"] == [{
+        "restart": 1, "process": "slurm job 7", "host": "n1",
+        "cause": "was requeued by Slurm (SLURM_RESTART_COUNT 1)", "failed_at_step": 3, "resumed_from_step": 2}]

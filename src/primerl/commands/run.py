@@ -54,6 +54,8 @@ def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
     """Run each stage as `primerl <command> @ <its config>`; stop at the first that fails. Returns its exit code."""
     for stage in plan.recipe.info.stages:
         stage_started(manifest, stage)
+        if stage == "rl":  # a resumed run's restarts so far (a requeued Slurm job's among them)
+            manifest["stages"][stage].update(restart_fields(plan.configs[stage].output_dir))
         write_manifest(plan.run_dir, manifest)
         command = primerl_command(STAGE_KINDS[stage].command, "@", str(plan.config_file(stage)))
         print(f"primerl: stage {stage}: {' '.join(command[2:])}", file=sys.stderr, flush=True)

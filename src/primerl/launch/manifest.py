@@ -84,8 +84,8 @@ def main(argv: list[str] | None = None) -> int:
             if ns.exit_code is None:
                 parser.error("end needs --exit-code")
             end(run_dir, ns.exit_code)
-    except (RecipeError, ConfigError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (RecipeError, ConfigError) as e:  # one line (the launcher shows the error line): the pins named in it
+        print("error: " + " ".join(line.strip() for line in str(e).splitlines()), file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {run_dir}: {type(e).__name__}: {e}", file=sys.stderr)

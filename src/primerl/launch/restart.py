@@ -15,6 +15,10 @@ starts. A launcher that cannot reach the run directory itself (`launch ssh`) run
     python -m primerl.launch.restart steps --run-dir RUN       # prints the newest trained step
     python -m primerl.launch.restart record --run-dir RUN --restart 1 --max-restarts 3 --process P --cause C \
         --step S [--host H] < last-lines-of-the-failed-process   # record_restart, then forget_what_is_redone
+
+A Slurm job that Slurm requeued records its restart the same way before it resumes the run (`record_requeue`):
+
+    python -m primerl.launch.restart requeued --run-dir RUN --job ID --count SLURM_RESTART_COUNT [--host NODE]
 """
 
 from __future__ import annotations
@@ -133,8 +137,11 @@ class RestartPolicy:
     def message(self, failure: Failure, resume_step: int) -> str:
         """The one line a restart prints: `restart 1/3: trainer was killed by signal 9 at step 7; resuming from step
         6`."""
-        where = f"resuming from step {resume_step}" if resume_step else "starting again from the initial model"
-        return f"restart {self.restarts}/{self.max_restarts}: {failure.describe()}; {where}"
+        return f"restart {self.restarts}/{self.max_restarts}: {failure.describe()}; {resuming(resume_step)}"
+
+
+def resuming(resume_step: int) -> str:
+    return f"resuming from step {resume_step}" if resume_step else "starting again from the initial model"
 
 
 class Progress:
@@ -224,18 +231,33 @@ def record_restart(run_dir: Path, policy: RestartPolicy, failure: Failure, last_
     run's manifest, when it has one. `host`: where the failed process ran (None: not known, a hung run of several
     hosts)."""
     resume_step = checkpoints.latest_trainer_step(run_dir)
-    line = policy.message(failure, resume_step)
+    _record(run_dir, policy.message(failure, resume_step), last_lines, prefix, {
+        "restart": policy.restarts, "max_restarts": policy.max_restarts, "process": failure.process, "host": host,
+        "cause": failure.cause, "failed_at_step": failure.step, "resumed_from_step": resume_step,
+    })
+
+
+def record_requeue(run_dir: Path, job: str, count: int, host: str | None, prefix: str = "primerl") -> None:
+    """A Slurm job that Slurm requeued (node failure, preemption, `scontrol requeue`) starts again and resumes the run:
+    a restart no launcher decided, recorded as `record_restart` records one (the line, the log of restarts, a record
+    in metrics.jsonl, the manifest). `count`: the job's SLURM_RESTART_COUNT; `host`: the node it starts again on."""
+    resume_step = checkpoints.latest_trainer_step(run_dir)
+    failure = Failure(f"slurm job {job}", f"was requeued by Slurm (SLURM_RESTART_COUNT {count})", trained_steps(run_dir))
+    _record(run_dir, f"restart (requeue {count}): {failure.describe()}; {resuming(resume_step)}", None, prefix, {
+        "restart": count, "max_restarts": None, "process": failure.process, "host": host, "cause": failure.cause,
+        "failed_at_step": failure.step, "resumed_from_step": resume_step,
+    })
+
+
+def _record(run_dir: Path, line: str, last_lines: str | None, prefix: str, fields: dict[str, Any]) -> None:
     print(f"{prefix}: {line}", file=sys.stderr, flush=True)
     log = run_dir / "logs" / RESTARTS_LOG
+    log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "a") as f:
         f.write(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} {line}\n")
         if last_lines is not None:
             f.write(f"{last_lines}\n\n")
-    MetricsLogger(run_dir, RESTART_SOURCE).log(resume_step, {
-        "event": "restart", "restart": policy.restarts, "max_restarts": policy.max_restarts,
-        "process": failure.process, "host": host, "cause": failure.cause, "failed_at_step": failure.step,
-        "resumed_from_step": resume_step,
-    })
+    MetricsLogger(run_dir, RESTART_SOURCE).log(fields["resumed_from_step"], {"event": "restart", **fields})
     count_restarts_in_manifest(run_dir, prefix)
 
 
@@ -264,18 +286,25 @@ def trained_steps(run_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     """The bookkeeping of a restart, run on a host that sees the run directory (see the module's docstring)."""
     parser = argparse.ArgumentParser(prog="python -m primerl.launch.restart", description=main.__doc__)
-    parser.add_argument("what", choices=("steps", "record"))
+    parser.add_argument("what", choices=("steps", "record", "requeued"))
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--restart", type=int, default=1, help="record: this restart's number, from 1")
     parser.add_argument("--max-restarts", type=int, default=1)
     parser.add_argument("--process", default=STALLED, help="record: the failed process")
     parser.add_argument("--cause", default="", help="record: how it failed")
     parser.add_argument("--step", type=int, default=0, help="record: the last trained step when it failed")
-    parser.add_argument("--host", help="record: the host of the failed process (none: not known)")
+    parser.add_argument("--host", help="record: the host of the failed process (none: not known); requeued: the node")
+    parser.add_argument("--job", help="requeued: the Slurm job's id")
+    parser.add_argument("--count", type=int, help="requeued: the job's SLURM_RESTART_COUNT")
     parser.add_argument("--prefix", default="launch", help="record: the word before each line printed")
     ns = parser.parse_args(argv)
     if ns.what == "steps":
         print(trained_steps(ns.run_dir))
+        return 0
+    if ns.what == "requeued":
+        if ns.job is None or ns.count is None or ns.count < 1:
+            parser.error("requeued needs --job and --count (SLURM_RESTART_COUNT, from 1)")
+        record_requeue(ns.run_dir, ns.job, ns.count, ns.host, ns.prefix)
         return 0
     if not 1 <= ns.restart <= ns.max_restarts:
         parser.error(f"--restart {ns.restart}: must be within 1..--max-restarts ({ns.max_restarts})")

@@ -92,6 +92,10 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
                      for key, value in _dotted(values)]
     run_args = ["-m", "primerl.cli", "run", plan.recipe_on_hosts, "--no-check", "--run-dir", plan.run_dir,
                 *stage_options]
+    # a requeued one-node job records its restart (primerl.launch.restart) before it resumes the run
+    requeued_args = ["-m", "primerl.launch.restart", "requeued", "--run-dir", plan.run_dir, "--prefix", "primerl",
+                     "--host", NODE_OF_TASK]
+    node0_env = plan.host_env[plan.processes[0].host]
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     log = plan.path("logs/slurm-%j.out")
@@ -100,7 +104,9 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
         log=log, partition=slurm.partition, account=slurm.account, gpus_per_node=slurm.gpus_per_node,
         cpus_per_node=slurm.cpus_per_node, extra=slurm.extra, run_dir=plan.run_dir,
         checklist=shlex.quote(checklist_line), processes=processes,
-        run=f"cd {shlex.quote(sw.project_dir)}\n{shell_words(sw.argv(run_args, plan.host_env[plan.processes[0].host]))}",
+        run=f"cd {shlex.quote(sw.project_dir)}\n{shell_words(sw.argv(run_args, node0_env))}",
+        requeued=f"(cd {shlex.quote(sw.project_dir)} && {shell_words(sw.argv(requeued_args, node0_env))} "
+                 '--job "$SLURM_JOB_ID" --count "$SLURM_RESTART_COUNT")',
     )
     return Job(script, plan if multi else None, log, plan.path("launch/job.sbatch"))
 
