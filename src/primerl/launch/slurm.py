@@ -96,6 +96,12 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
     requeued_args = ["-m", "primerl.launch.restart", "requeued", "--run-dir", plan.run_dir, "--prefix", "primerl",
                      "--host", NODE_OF_TASK]
     node0_env = plan.host_env[plan.processes[0].host]
+    # several nodes: the run's manifest (primerl.launch.manifest), built on the first node, the rl stage's outcome last
+    on_node0 = f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[0]}}" --chdir={shlex.quote(sw.project_dir)}'
+    manifest = ["-m", "primerl.launch.manifest"]
+    manifest_start = shell_words(sw.argv([*manifest, "start", "--run-dir", plan.run_dir, "--recipe",
+                                          plan.recipe_on_hosts, "--host", "@NODE0@"], node0_env))
+    manifest_end = shell_words(sw.argv([*manifest, "end", "--run-dir", plan.run_dir, "--exit-code"], node0_env))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     log = plan.path("logs/slurm-%j.out")
@@ -107,6 +113,8 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
         run=f"cd {shlex.quote(sw.project_dir)}\n{shell_words(sw.argv(run_args, node0_env))}",
         requeued=f"(cd {shlex.quote(sw.project_dir)} && {shell_words(sw.argv(requeued_args, node0_env))} "
                  '--job "$SLURM_JOB_ID" --count "$SLURM_RESTART_COUNT")',
+        manifest_start=f"{on_node0} {manifest_start} < /dev/null",
+        manifest_end=f'{on_node0} {manifest_end} "$1" < /dev/null',
     )
     return Job(script, plan if multi else None, log, plan.path("launch/job.sbatch"))
 
