@@ -163,13 +163,14 @@ class Shell:
 
 
 def job_state(shell: Shell, job_id: str) -> tuple[str, str]:
-    """(state, exit code) of an ended job from sacct; from the job completion log when accounting is off."""
+    """(state, exit code) of an ended job from sacct; from the job completion log when accounting is off. A job that
+    was requeued has one line per start there (the first one's state PENDING): the last line is its latest start's."""
     for extra in ("", "--completion "):
         code, out = shell.run(f"sacct {extra}-j {job_id} -X -n -P -o JobID,State,ExitCode")
-        for line in out.splitlines():
-            fields = line.strip().split("|")
-            if code == 0 and len(fields) == 3 and fields[0] == job_id:
-                return fields[1].split()[0], fields[2]
+        rows = [fields for line in out.splitlines()
+                if len(fields := line.strip().split("|")) == 3 and fields[0] == job_id]
+        if code == 0 and rows:
+            return rows[-1][1].split()[0], rows[-1][2]
     return "UNKNOWN", "?"
 
 
