@@ -1,5 +1,6 @@
 """The manifest of a run a remote launcher starts (launch/manifest.py, run on the first host by `launch ssh`): the
-manifest `primerl run` writes, from the recipe and `<run>/launch/plan.json`, with the rl stage's outcome and restarts."""
+manifest `primerl run` writes, from the recipe and `<run>/launch/plan.json`, with the rl stage's outcome and
+restarts."""
 
 from __future__ import annotations
 
@@ -14,10 +15,13 @@ TINY_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
 
 
 def _launch_record(run_dir: Path) -> dict:
-    record = {"recipe": {"name": "tiny", "path": str(TINY_RECIPE)}, "overrides": {"rl": {"max_steps": "2"}},
-              "hosts": {"a": "10.0.0.2", "b": "10.0.0.3"},
-              "processes": [{"label": "trainer.0@b", "role": "trainer", "host": "b", "args": []}],
-              "checklist": {"a": {"connect": "passed", "python": "passed"}, "b": {"connect": "passed"}}}
+    record = {
+        "recipe": {"name": "tiny", "path": str(TINY_RECIPE)},
+        "overrides": {"rl": {"max_steps": "2"}},
+        "hosts": {"a": "10.0.0.2", "b": "10.0.0.3"},
+        "processes": [{"label": "trainer.0@b", "role": "trainer", "host": "b", "args": []}],
+        "checklist": {"a": {"connect": "passed", "python": "passed"}, "b": {"connect": "passed"}},
+    }
     (run_dir / PLAN_FILE).parent.mkdir(parents=True)
     (run_dir / PLAN_FILE).write_text(json.dumps(record))
     return record
@@ -45,8 +49,16 @@ def test_start_writes_the_recipes_manifest_with_the_launch_and_end_records_the_o
     assert main(["end", "--run-dir", str(run_dir), "--exit-code", "0"]) == 0
     rl = read_manifest(run_dir)["stages"]["rl"]
     assert (rl["status"], rl["exit_code"], rl["restarts"]) == ("completed", 0, 1)
-    assert rl["restart_entries"] == [{"restart": 1, "process": "trainer.0 on host b", "host": "b",
-                                      "cause": "was killed by signal 9", "failed_at_step": 1, "resumed_from_step": 0}]
+    assert rl["restart_entries"] == [
+        {
+            "restart": 1,
+            "process": "trainer.0 on host b",
+            "host": "b",
+            "cause": "was killed by signal 9",
+            "failed_at_step": 1,
+            "resumed_from_step": 0,
+        }
+    ]
     assert main(["end", "--run-dir", str(run_dir), "--exit-code", "130"]) == 0
     assert read_manifest(run_dir)["stages"]["rl"]["status"] == "interrupted"
 

@@ -233,7 +233,8 @@ def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host
     rl = manifest["stages"]["rl"]
     assert (rl["status"], rl["exit_code"], rl["restarts"]) == ("completed", 0, 1), rl
     assert rl["restart_entries"] == [{"restart": 1, "process": "trainer.0 on host b", "host": "b",
-                                      "cause": "was killed by signal 9", "failed_at_step": restarts[0]["failed_at_step"],
+                                      "cause": "was killed by signal 9",
+                                      "failed_at_step": restarts[0]["failed_at_step"],
                                       "resumed_from_step": restarts[0]["resumed_from_step"]}]
     assert manifest["recipe"]["name"] == "tiny" and manifest["launch"]["hosts"]["b"] == cluster.hosts["b"].address
     assert manifest["overrides"]["rl"]["max_restarts"] == 2 and rl["config"]["max_steps"] == 3
