@@ -242,7 +242,8 @@ def record_requeue(run_dir: Path, job: str, count: int, host: str | None, prefix
     a restart no launcher decided, recorded as `record_restart` records one (the line, the log of restarts, a record
     in metrics.jsonl, the manifest). `count`: the job's SLURM_RESTART_COUNT; `host`: the node it starts again on."""
     resume_step = checkpoints.latest_trainer_step(run_dir)
-    failure = Failure(f"slurm job {job}", f"was requeued by Slurm (SLURM_RESTART_COUNT {count})", trained_steps(run_dir))
+    cause = f"was requeued by Slurm (SLURM_RESTART_COUNT {count})"
+    failure = Failure(f"slurm job {job}", cause, trained_steps(run_dir))
     _record(run_dir, f"restart (requeue {count}): {failure.describe()}; {resuming(resume_step)}", None, prefix, {
         "restart": count, "max_restarts": None, "process": failure.process, "host": host, "cause": failure.cause,
         "failed_at_step": failure.step, "resumed_from_step": resume_step,
