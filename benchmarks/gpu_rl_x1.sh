@@ -228,7 +228,7 @@ vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the 
         || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
     mkdir -p /tmp/primerl-vllm
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_offline 525 python3 benchmarks/vllm_offline.py \
-        --sides "${OFFLINE_SIDES:-vllm-offline,adapter,server-vllm,server-embedded}" \
+        --sides "${OFFLINE_SIDES:-vllm-offline,adapter,adapter-detokenize,server-vllm,server-embedded}" \
         --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" --profile \
         --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
     cp /tmp/primerl-vllm/vllm_offline.json "$out/"

@@ -9,6 +9,8 @@ through each side, each side in its own process with a time limit (`--side-timeo
   is the same batch without log-probs;
 - `adapter`: primerl's vLLM adapter (`VLLMEngine`) called in this process, no HTTP; `--profile` adds one more run
   under cProfile (its top functions by own time; the timed runs are not profiled);
+- `adapter-detokenize`: the same with `vllm.detokenize` on (vLLM decodes each reply's text as it streams, as the
+  adapter always did before the option; `adapter_over_adapter_detokenize` is what turning it off gained);
 - `server-vllm` / `server-embedded`: `primerl inference` with the vLLM or the embedded engine, the batch sent at once
   through the token route (`/inference/v1/generate`, as the orchestrator sends it), with the server's CPU seconds
   (its own process, and its descendants: vLLM's engine core) over the timed runs;
@@ -44,9 +46,10 @@ from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
 from sides import cpu_delta, cpu_snapshot, inference_server, profile_top, run_side, token_route_batch
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("vllm-offline", "adapter", "server-vllm", "server-embedded", "embedded")
-VLLM_SIDES = ("vllm-offline", "adapter", "server-vllm")
+SIDES = ("vllm-offline", "adapter", "server-vllm", "server-embedded", "embedded", "adapter-detokenize")
+VLLM_SIDES = ("vllm-offline", "adapter", "server-vllm", "adapter-detokenize")
 RATIOS = {"adapter_over_vllm_offline": ("adapter", "vllm-offline"),
+          "adapter_over_adapter_detokenize": ("adapter", "adapter-detokenize"),
           "server_vllm_over_vllm_offline": ("server-vllm", "vllm-offline"),
           "server_vllm_over_embedded": ("server-vllm", "server-embedded"),
           "server_vllm_over_adapter": ("server-vllm", "adapter"),
@@ -64,15 +67,16 @@ def max_model_len(args: argparse.Namespace) -> int:
     return max(1024, 32 + args.new_tokens + 8)
 
 
-def adapter_engine(model_dir: Path, args: argparse.Namespace):
-    """primerl's vLLM adapter as the server builds it (not started)."""
+def adapter_engine(model_dir: Path, args: argparse.Namespace, detokenize: bool = False):
+    """primerl's vLLM adapter as the server builds it (not started); `detokenize`: vLLM decodes every reply's text
+    too, as the adapter did before `vllm.detokenize` (side `adapter-detokenize`)."""
     from primerl.config.common import ModelConfig
     from primerl.config.inference import VLLMSection
     from primerl.inference.engines.vllm import VLLMEngine
 
     return VLLMEngine(ModelConfig(name=str(model_dir), dtype="bfloat16"), "bench", max_model_len=max_model_len(args),
                       max_batch_size=max(args.batches), options=VLLMSection(
-                          gpu_memory_utilization=args.gpu_memory_utilization))
+                          gpu_memory_utilization=args.gpu_memory_utilization, detokenize=detokenize))
 
 
 def timed(args: argparse.Namespace, batch: int, run, pid: int | None = None) -> dict:
@@ -102,7 +106,9 @@ def offline_side(args: argparse.Namespace, model_dir: Path) -> dict:
     llm = LLM(**adapter_engine(model_dir, args).engine_args(model_dir))
     start_s = time.perf_counter() - started
     same = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, ignore_eos=True,
-                          logprobs=0)  # what the adapter asks for each request
+                          logprobs=0, detokenize=False)  # what the adapter asks for each request (no stop strings)
+    text = SamplingParams(n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=args.new_tokens, ignore_eos=True,
+                          logprobs=0)  # the same with vLLM's default: each reply's text decoded as well
     plain = SamplingParams(n=1, temperature=1.0, max_tokens=args.new_tokens, ignore_eos=True)
 
     def run_with(params):
@@ -118,17 +124,20 @@ def offline_side(args: argparse.Namespace, model_dir: Path) -> dict:
     batches = {}
     for batch in args.batches:
         batches[str(batch)] = timed(args, batch, run_with(same))
+        batches[str(batch)]["detokenize_tok_s"] = timed(args, batch, run_with(text))["tok_s"]
         batches[str(batch)]["plain_tok_s"] = timed(args, batch, run_with(plain))["tok_s"]
-    return {"start_s": round(start_s, 1), "batches": batches, "sampling": "logprobs=0 (as the adapter); plain_tok_s: "
-            "no logprobs"}
+    return {"start_s": round(start_s, 1), "batches": batches,
+            "sampling": "logprobs=0, detokenize off (as the adapter); detokenize_tok_s: the same with vLLM's text "
+                        "decoding (its default); plain_tok_s: vLLM's defaults, no logprobs"}
 
 
 def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
-    """The adapter (`kind` "vllm") or the embedded engine ("hf") in this process, no HTTP."""
+    """The adapter (`kind` "vllm", or "vllm-detokenize" with vLLM's text decoding on) or the embedded engine ("hf")
+    in this process, no HTTP."""
     from engine import engine_run  # benchmarks/engine.py
 
-    if kind == "vllm":
-        engine = adapter_engine(model_dir, args)
+    if kind.startswith("vllm"):
+        engine = adapter_engine(model_dir, args, detokenize=kind == "vllm-detokenize")
     else:
         from primerl.inference.engines.hf import HFEngine
 
@@ -195,8 +204,9 @@ def side_main(args: argparse.Namespace) -> int:
     args.device = "cpu" if args.smoke else "cuda"
     if args.side == "vllm-offline":
         result = offline_side(args, args.model_dir)
-    elif args.side in ("adapter", "embedded"):
-        result = engine_side(args, args.model_dir, "vllm" if args.side == "adapter" else "hf")
+    elif args.side in ("adapter", "adapter-detokenize", "embedded"):
+        result = engine_side(args, args.model_dir, {"adapter": "vllm", "adapter-detokenize": "vllm-detokenize",
+                                                    "embedded": "hf"}[args.side])
     else:
         result = server_side(args, args.model_dir, args.side.removeprefix("server-").replace("embedded", "hf"))
     result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

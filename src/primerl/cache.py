@@ -1,5 +1,5 @@
-"""Where primerl keeps what it builds once and reuses: converted models (`primerl.models`) and file-digest stamps
-(`primerl.digests`), under one directory.
+"""Where primerl keeps what it builds once and reuses: converted models (`primerl.models`), file-digest stamps
+(`primerl.digests`) and torch.compile's and Triton's caches (`use_compile_cache`), under one directory.
 
 `cache_dir()` is `$PRIMERL_CACHE`, else `$XDG_CACHE_HOME/primerl` (an absolute path, as the XDG spec requires), else
 `~/.cache/primerl`. Nothing here creates it; each user makes its own subdirectory when it first writes.
@@ -20,3 +20,19 @@ def cache_dir() -> Path:
         return Path(os.environ[CACHE_VAR]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "primerl"
+
+
+COMPILE_CACHE_VARS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def use_compile_cache() -> dict[str, str]:
+    """Point torch.compile's cache (Inductor's FX-graph and AOTAutograd entries, keyed on the graph, the torch version
+    and the device) and Triton's kernel cache at `cache_dir()/compile/` where the user has not set them, before any
+    process compiles: every process and every run of this user then reuses what one compiled (torch's own default is
+    a directory under the system's temporary one, which a reboot or a fresh container empties). Returns what it set;
+    a variable already set is left alone."""
+    chosen = {}
+    for var, sub in COMPILE_CACHE_VARS.items():
+        if not os.environ.get(var):
+            chosen[var] = os.environ[var] = str(cache_dir() / "compile" / sub)
+    return chosen

@@ -11,6 +11,8 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
+from primerl.cache import use_compile_cache
+
 # command -> (module with main(argv), one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "rl": ("primerl.commands.rl", "run RL end to end: inference + orchestrator + trainer (config or recipe)"),
@@ -50,6 +52,7 @@ def dispatch(command: str, argv: Sequence[str]) -> int:
     if not _available(command):
         print(f"primerl: '{command}' is not available in this build", file=sys.stderr)
         return 2
+    use_compile_cache()  # before the command imports torch: its processes share one compile cache
     module = importlib.import_module(module_name)
     code = module.main(list(argv))
     return int(code or 0)

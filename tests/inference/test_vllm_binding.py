@@ -245,6 +245,7 @@ def test_generation_binds_and_reads_real_outputs(api, start_engine, calls, outpu
         api.TokensPrompt.__required_keys__ | api.TokensPrompt.__optional_keys__)
     assert sampling.output_kind == api.RequestOutputKind.DELTA and sampling.logprobs == 0
     assert sampling.max_tokens == min(params.max_tokens, 64 - 3)
+    assert sampling.detokenize == bool(params.stop)  # vLLM's text only where stop strings are matched on it
     asyncio.run(engine.stop())
 
 

@@ -28,6 +28,12 @@ class VLLMSection(Section):
         "the KV cache (GPU memory for a trainer on the same GPU), /admin/resume brings them back; 0 = pause only stops "
         "scheduling",
     )
+    detokenize: bool = Field(
+        False,
+        description="have vLLM decode every reply's text as it streams; primerl's routes decode with the server's "
+        "own tokenizer, so this is off and turned on only for a request with stop strings (which vLLM matches on "
+        "text)",
+    )
 
 
 class BroadcastReceiverSection(Section):

@@ -179,6 +179,7 @@ class VLLMEngine(Engine):
             top_k=max(0, params.top_k),  # 0: the whole vocabulary
             max_tokens=min(params.max_tokens, self.max_model_len - len(prompt_ids)),
             stop=list(params.stop) or None,
+            detokenize=self.options.detokenize or bool(params.stop),  # text only where stop strings need it
             stop_token_ids=list(params.stop_token_ids) or None,
             ignore_eos=params.ignore_eos,
             seed=params.seed,  # None unless the client asked: keeps vLLM's batched sampling path
