@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primerl.cache import CACHE_VAR, follow_cache
 from primerl.multicast import multicast_off
 
 _PR_SET_PDEATHSIG = 1
@@ -113,6 +114,8 @@ def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars:
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     multicast_off(env)
+    if extra and extra.get(CACHE_VAR):
+        follow_cache(env, extra[CACHE_VAR])
     env.update(extra or {})
     return env
 
