@@ -19,8 +19,9 @@ order equal, exit code, the restart lines and the line the run stopped with. The
 The `launch ssh` drills ("ssh_restart", only with `--only ssh`: they need root for the SSH hosts of the launcher tests,
 network namespaces with their own sshd): `primerl launch ssh --max-restarts 2` of the tiny recipe over two hosts, two
 inference servers and a trainer of two ranks split over both, with one server or one trainer rank SIGKILLed on its
-host once mid-run; the same columns, compared with an uninterrupted launch of the same layout
-(tests/system/ssh_drills.py).
+host once mid-run, or that trainer rank SIGSTOPped there (hung: the launcher sees the run stall for `stall_timeout_s`);
+the same columns, compared with an uninterrupted launch of the same layout, and the processes left on each host once
+the launcher exited (tests/system/ssh_drills.py).
 """
 
 from __future__ import annotations
@@ -84,14 +85,16 @@ def _ssh_drills(smoke: bool) -> dict:
                 raise SystemExit(f"the uninterrupted launch failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
             reference_s = round(time.monotonic() - started, 1)
             rows = []
-            for i, fault in enumerate(list(ssh_drills.FAULTS)[:1] if smoke else ssh_drills.FAULTS):
+            faults = list(ssh_drills.FAULTS)[:1] if smoke else [*ssh_drills.FAULTS, *ssh_drills.STALLS]
+            for i, fault in enumerate(faults):
                 (work / f"drill{i}").mkdir()
                 rows.append(ssh_drills.run_ssh_drill(cluster, fault, work / f"drill{i}", uninterrupted))
                 print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
         finally:
             cluster.close()
     return {"recipe": "recipes/tiny.toml", "max_steps": ssh_drills.MAX_STEPS, "checkpoint_interval": 1,
-            "max_restarts": ssh_drills.MAX_RESTARTS, "roles": ssh_drills.LAYOUT, "uninterrupted_seconds": reference_s,
+            "max_restarts": ssh_drills.MAX_RESTARTS, "stall_timeout_s": ssh_drills.STALL_TIMEOUT_S,
+            "roles": ssh_drills.LAYOUT, "uninterrupted_seconds": reference_s,
             "rows": rows,
             "run": run_facts(smoke)}
 

@@ -11,7 +11,8 @@ from primerl.cache import COMPILE_CACHE_VARS
 
 
 def run_python(code: str, env: dict[str, str]) -> str:
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout
 
@@ -45,3 +46,20 @@ def test_a_cache_directory_the_user_set_is_kept(tmp_path):
            "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])\n"
     chosen, inductor = run_python(code, clean_env(tmp_path / "c", TORCHINDUCTOR_CACHE_DIR=str(mine))).splitlines()
     assert chosen == "['TRITON_CACHE_DIR']" and inductor == str(mine)
+
+
+def test_a_child_with_its_own_cache_compiles_into_it(tmp_path, monkeypatch):
+    """A process started with another `PRIMERL_CACHE` (a host's own cache, say) does not inherit this process's
+    compile cache, which the CLI derived from this process's cache directory; one the user set is inherited."""
+    from primerl.cache import use_compile_cache
+    from primerl.launch.processes import child_environment
+
+    for var in COMPILE_CACHE_VARS:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PRIMERL_CACHE", str(tmp_path / "mine"))
+    use_compile_cache()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "set-by-the-user"))
+    env = child_environment({"PRIMERL_CACHE": str(tmp_path / "theirs")})
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "theirs" / "compile" / "inductor")
+    assert env["TRITON_CACHE_DIR"] == str(tmp_path / "set-by-the-user")
+    assert child_environment()["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / "compile" / "inductor")

@@ -36,3 +36,11 @@ def use_compile_cache() -> dict[str, str]:
         if not os.environ.get(var):
             chosen[var] = os.environ[var] = str(cache_dir() / "compile" / sub)
     return chosen
+
+
+def follow_cache(env: dict[str, str], cache: str) -> None:
+    """A child started with its own `PRIMERL_CACHE` (in `env`) compiles into that cache: the compile-cache variables
+    this process derived from its own cache directory are re-derived from `cache`; ones the user set stay."""
+    for var, sub in COMPILE_CACHE_VARS.items():
+        if env.get(var) == str(cache_dir() / "compile" / sub):
+            env[var] = str(Path(cache).expanduser() / "compile" / sub)

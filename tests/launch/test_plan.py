@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -183,12 +185,16 @@ def test_one_node_job_is_requeued_and_then_resumes_the_run(tmp_path):
     # the recipe's line, run by bash with `python` replaced by echo: the first start does not resume, a requeued one does
     (line,) = [line for line in script.splitlines() if " run " in line and "--run-dir" in line]
     start = script.index("RESUME=()")
-    snippet = script[start:script.index("\n", script.index(line))].replace(line.split()[0], "echo", 1)
+    snippet = script[start:script.index("\n", script.index(line))].replace(line.split()[0], "echo")
     for count, resumes in (("0", False), ("2", True)):
-        env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": count, "SLURM_JOB_ID": "7"}
+        env = {"PATH": "/usr/bin:/bin", "SLURM_RESTART_COUNT": count, "SLURM_JOB_ID": "7", "SLURMD_NODENAME": "n1"}
         out = subprocess.run(["bash", "-euo", "pipefail", "-c", snippet], env=env, capture_output=True, text=True,
                              check=True).stdout
         assert out.rstrip().endswith("--rl.max_steps=2 --rl.resume=true") is resumes, out
+        # a requeued job first records its restart (in metrics.jsonl, restarts.log and the manifest), then resumes
+        record = ("-m primerl.launch.restart requeued --run-dir /shared/run --prefix primerl --host n1 --job 7 "
+                  "--count 2")
+        assert (record in out) is resumes, out
     multi = slurm_script(tmp_path, nodes=3, inference_nodes=1)
     assert "--requeue" not in multi  # the roles of several nodes do not resume
 
@@ -196,8 +202,16 @@ def test_one_node_job_is_requeued_and_then_resumes_the_run(tmp_path):
 def test_multi_node_job_has_one_srun_per_role_on_its_node(tmp_path):
     script = slurm_script(tmp_path, nodes=3, inference_nodes=1)
     assert subprocess.run(["bash", "-n"], input=script, text=True, check=False).returncode == 0
-    sruns = [line for line in script.splitlines() if line.startswith("srun --overlap --nodes=1")]
+    lines = script.splitlines()
+    sruns = [line for line in lines if line.startswith("srun --overlap --nodes=1") and line.endswith("&")]
     assert len(sruns) == 4
+    # the run's manifest is built on the first node before any role starts; its outcome is recorded on every end
+    (start,) = [i for i, line in enumerate(lines) if "primerl.launch.manifest start" in line]
+    assert start < lines.index(sruns[0]) and '--nodelist="${NODES[0]}"' in lines[start]
+    assert "--recipe " in lines[start] and '--host "${NODES[0]}"' in lines[start]
+    assert [line.strip() for line in lines if line.strip().startswith("manifest_end ")] == ["manifest_end 1",
+                                                                                           "manifest_end 0"]
+    assert "trap 'stop_all; manifest_end 130; exit 130' INT TERM" in lines
     assert '--nodelist="${NODES[0]}"' in sruns[0] and '--host "${NODES[0]}"' in sruns[0]
     assert '--client.base_url http://"${NODES[0]}":8000' in sruns[1]
     assert '--nodelist="${NODES[1]}"' in sruns[2] and '--master-addr="${NODES[1]}"' in sruns[2]
@@ -224,6 +238,24 @@ def test_remote_wrapper_stops_its_process_group_when_told(tmp_path):
     assert proc.wait(timeout=60) != 0
     assert "ready" in log.read_text()
     assert _gone(int(grandchild), timeout_s=30)
+
+
+def test_remote_wrapper_stop_ends_a_stopped_grandchild_in_a_session_of_its_own(tmp_path):
+    """What torchrun does with its ranks: a grandchild in its own session, out of reach of the group's signals; here
+    SIGSTOPped too (a hung rank). `stop` must end it before the wrapper exits."""
+    child = ("import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+             "print('ready', p.pid, flush=True); time.sleep(300)")
+    proc = subprocess.Popen([sys.executable, "-m", "primerl.launch.remote", "--log", str(tmp_path / "c.log"),
+                             "--grace", "1", "--", "-c", child], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    proc.stdout.readline()
+    word, grandchild = proc.stdout.readline().split()
+    assert word == "ready"
+    os.kill(int(grandchild), signal.SIGSTOP)
+    proc.stdin.write("stop\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=60) != 0
+    assert _gone(int(grandchild), timeout_s=10)
 
 
 def test_remote_wrapper_stops_when_the_launcher_connection_ends(tmp_path):

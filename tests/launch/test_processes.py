@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,38 @@ def test_children_of_a_launcher_that_ignores_sigint_still_stop_on_it(tmp_path):
     wait_for(lambda: "ready" in child.tail().splitlines(), timeout=120)
     stop_all([child], grace_s=30.0)
     assert child.poll() == 0 and "stopping cleanly" in child.tail()
+
+
+def _alive(pid: int) -> bool:
+    """Running or stopped; a zombie (ended, not yet reaped by whoever adopted it) is not alive."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_a_stopped_torchrun_worker_in_a_session_of_its_own_is_killed_with_its_agent(tmp_path):
+    """torchrun starts each worker in a session of its own, out of reach of a signal to the agent's group. A worker
+    that hangs (here SIGSTOPped: it holds its sockets and answers no signal but SIGKILL) outlives the grace the
+    agent's own stop gives it (30 s), so the launcher kills the agent's group after its grace, and must kill the
+    worker too: an orphan would keep its memory, GPU and ports."""
+    script = tmp_path / "worker.py"
+    script.write_text(f"import os, time\nopen({str(tmp_path / 'worker.pid')!r}, 'w').write(str(os.getpid()))\n"
+                      "time.sleep(300)\n")
+    agent = ManagedProcess("trainer", torchrun_command(1, [str(script)]), tmp_path / "trainer.log")
+    agent.start()
+    try:
+        wait_for(lambda: (tmp_path / "worker.pid").is_file() and (tmp_path / "worker.pid").read_text(), timeout=120)
+        worker = int((tmp_path / "worker.pid").read_text())
+        assert os.getsid(worker) != os.getsid(agent.pid)  # what makes it out of reach of the group's signals
+        os.kill(worker, signal.SIGSTOP)
+        stop_all([agent], grace_s=2.0)
+        assert agent.poll() is not None
+        wait_for(lambda: not _alive(worker), timeout=30)
+    finally:
+        if (tmp_path / "worker.pid").is_file() and _alive(pid := int((tmp_path / "worker.pid").read_text())):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux-only")

@@ -17,11 +17,13 @@ from primerl.launch.restart import (
     Progress,
     RestartPolicy,
     record_restart,
+    restart_fields,
     restarts_of_run,
     run_with_restarts,
     watch,
 )
 from primerl.monitor import MetricsLogger
+from primerl.recipes.manifest import MANIFEST_FILE, read_manifest, write_manifest
 
 
 def test_restarts_until_the_budget_is_spent_then_stops_with_the_cause():
@@ -94,14 +96,46 @@ def test_a_restart_is_one_line_on_stderr_a_line_in_the_restarts_log_and_a_metric
     policy = RestartPolicy(max_restarts=3)
     failure = Failure.exited("trainer", -9, step=3)
     assert policy.decide(failure).restart
-    record_restart(tmp_path, policy, failure, "last lines of trainer.log:\nKilled")
+    record_restart(tmp_path, policy, failure, "last lines of trainer.log:\nKilled", "gpu1")
     line = "restart 1/3: trainer was killed by signal 9 at step 3; resuming from step 2"
     assert capsys.readouterr().err == f"rl: {line}\n"
     log = (tmp_path / "logs" / RESTARTS_LOG).read_text()
     assert log.endswith(f" {line}\nlast lines of trainer.log:\nKilled\n\n")
     [record] = restarts_of_run(tmp_path)
-    assert (record["process"], record["failed_at_step"], record["resumed_from_step"], record["restart"]) == (
-        "trainer", 3, 2, 1)
+    assert (record["process"], record["host"], record["failed_at_step"], record["resumed_from_step"],
+            record["restart"]) == ("trainer", "gpu1", 3, 2, 1)
+    assert not (tmp_path / MANIFEST_FILE).exists()  # a plain config's run has no manifest: none is made
+
+
+def test_each_restart_is_counted_in_the_runs_manifest_as_it_happens(tmp_path, capsys):
+    """A recipe's run (rl, launch ssh) has a manifest: every restart updates its rl stage at once (the number, one
+    line and one entry each), so a launcher that dies later still leaves them counted there."""
+    (tmp_path / "logs").mkdir()
+    write_manifest(tmp_path, {"updated_at": "then", "stages": {"rl": {"status": "running", "config": {}}}})
+    (tmp_path / "checkpoints" / "step_1" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_1" / "trainer" / "progress.json").write_text("{}")
+    policy = RestartPolicy(max_restarts=3)
+    for failure, host in ((Failure.exited("trainer.0 on host b", -9, step=2), "b"), (Failure.stalled(60, 3), None)):
+        assert policy.decide(failure).restart
+        record_restart(tmp_path, policy, failure, None, host, prefix="launch")
+    manifest = read_manifest(tmp_path)
+    rl = manifest["stages"]["rl"]
+    assert rl["status"] == "running" and rl["config"] == {} and manifest["updated_at"] != "then"
+    assert rl["restarts"] == 2
+    assert rl["restart_causes"] == ["trainer.0 on host b was killed by signal 9 at step 2",
+                                    f"{STALLED} made no progress (no new metrics record) for 60s at step 3"]
+    assert rl["restart_entries"] == [
+        {"restart": 1, "process": "trainer.0 on host b", "host": "b", "cause": "was killed by signal 9",
+         "failed_at_step": 2, "resumed_from_step": 1},
+        {"restart": 2, "process": STALLED, "host": None, "cause": "made no progress (no new metrics record) for 60s",
+         "failed_at_step": 3, "resumed_from_step": 1},
+    ]
+    assert rl == {**rl, **restart_fields(tmp_path)}
+    (tmp_path / MANIFEST_FILE).write_text("{not json")
+    assert policy.decide(Failure.exited("orchestrator", 1, step=4)).restart
+    record_restart(tmp_path, policy, Failure.exited("orchestrator", 1, step=4), None, "gpu1")  # goes on regardless
+    assert len(restarts_of_run(tmp_path)) == 3
+    assert "rl: the restart is not counted in" in capsys.readouterr().err
 
 
 def _process(tmp_path, name: str, code: str) -> ManagedProcess:
@@ -168,12 +202,14 @@ def test_the_host_side_records_a_restart_and_forgets_what_is_redone(tmp_path):
                            check=True)
     assert steps.stdout.strip() == "2"
     done = subprocess.run([*host_side, "record", "--run-dir", str(tmp_path), "--restart", "1", "--max-restarts", "3",
-                           "--process", "trainer.0 on host b", "--cause", "was killed by signal 9", "--step", "2"],
+                           "--process", "trainer.0 on host b", "--cause", "was killed by signal 9", "--step", "2",
+                           "--host", "b"],
                           input="last lines of trainer.0@b.log:\nKilled\n", capture_output=True, text=True, check=True)
     assert done.stderr.splitlines()[0] == ("launch: restart 1/3: trainer.0 on host b was killed by signal 9 at step "
                                            "2; resuming from step 1")
     [record] = restarts_of_run(tmp_path)
-    assert (record["process"], record["failed_at_step"], record["resumed_from_step"]) == ("trainer.0 on host b", 2, 1)
+    assert (record["process"], record["host"], record["failed_at_step"], record["resumed_from_step"]) == (
+        "trainer.0 on host b", "b", 2, 1)
     assert "Killed" in (tmp_path / "logs" / RESTARTS_LOG).read_text()
     again = subprocess.run([*host_side, "steps", "--run-dir", str(tmp_path)], capture_output=True, text=True,
                            check=True)
@@ -181,3 +217,27 @@ def test_the_host_side_records_a_restart_and_forgets_what_is_redone(tmp_path):
     bad = subprocess.run([*host_side, "record", "--run-dir", str(tmp_path), "--restart", "4", "--max-restarts", "3"],
                          capture_output=True, text=True, check=False)
     assert bad.returncode == 2 and "--restart 4" in bad.stderr and len(restarts_of_run(tmp_path)) == 1
+
+
+def test_a_requeued_slurm_job_records_its_restart_like_the_others(tmp_path):
+    """What a one-node Slurm job that Slurm requeued runs before it resumes the run (job.sbatch.j2): the restart's
+    line, its record in metrics.jsonl and its entry in the manifest, with the job, the node and the steps."""
+    write_manifest(tmp_path, {"updated_at": "then", "stages": {"rl": {"status": "completed"}}})
+    (tmp_path / "checkpoints" / "step_2" / "trainer").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "step_2" / "trainer" / "progress.json").write_text("{}")
+    trainer = MetricsLogger(tmp_path, "trainer")
+    for step in (1, 2, 3):
+        trainer.log(step, {"loss": 1.0})
+    done = subprocess.run([sys.executable, "-m", "primerl.launch.restart", "requeued", "--run-dir", str(tmp_path),
+                           "--prefix", "primerl", "--host", "n1", "--job", "7", "--count", "1"],
+                          capture_output=True, text=True, check=True)
+    line = ("primerl: restart (requeue 1): slurm job 7 was requeued by Slurm (SLURM_RESTART_COUNT 1) at step 3; "
+            "resuming from step 2")
+    assert done.stderr.splitlines() == [line]
+    [record] = restarts_of_run(tmp_path)
+    assert (record["process"], record["host"], record["failed_at_step"], record["resumed_from_step"]) == (
+        "slurm job 7", "n1", 3, 2)
+    assert line.removeprefix("primerl: ") in (tmp_path / "logs" / RESTARTS_LOG).read_text()
+    assert read_manifest(tmp_path)["stages"]["rl"]["restart_entries"] == [{
+        "restart": 1, "process": "slurm job 7", "host": "n1",
+        "cause": "was requeued by Slurm (SLURM_RESTART_COUNT 1)", "failed_at_step": 3, "resumed_from_step": 2}]

@@ -1,7 +1,9 @@
 """Drills of `primerl launch ssh` with auto-restart, on runs that have several processes of one role -- which on CPU
 only a launch over several hosts gives: two inference servers (one per host), or a trainer of two ranks split over
-two hosts (torchrun, 2 nodes x 1 rank, gloo). One process is SIGKILLed on its host after the first trained step; the
-launcher must stop every process on every host, restart the whole run from its last checkpoint, and finish it.
+two hosts (torchrun, 2 nodes x 1 rank, gloo). One process is SIGKILLed on its host after the first trained step, or
+SIGSTOPped there (a hung process: it holds its sockets, answers nothing, and the run's heartbeat, metrics.jsonl, stops
+growing); the launcher must stop every process on every host (the stopped one included), restart the whole run from
+its last checkpoint, and finish it.
 
 Used by tests/system/test_launch_ssh_drills.py and `benchmarks/drills.py --only ssh`. Needs root (network
 namespaces, sshd): `netns_hosts.Cluster`. Each drill's row says what the fault cost and whether every step trained
@@ -34,6 +36,12 @@ LIGHT_CHECKLIST = ["sft_trainer", "rl_trainer", "inference", "rl_smoke"]  # the 
 INFERENCE = "inference server"
 TRAINER_RANK = "trainer rank"
 FAULTS = {INFERENCE: ("inference.toml", "inference.1 on host b"), TRAINER_RANK: ("trainer.toml", "trainer.1 on host b")}
+# The hang: the trainer rank on b SIGSTOPped once mid-run; its peer on a waits in a collective, the run stalls, and the
+# launcher sees no new metrics record for STALL_TIMEOUT_S (far above a step or a start of the tiny run on a busy
+# machine, as the rl stall drill's).
+HUNG_RANK = "hung trainer rank"
+STALLS = {HUNG_RANK: ("trainer.toml", "trainer.1 on host b")}
+STALL_TIMEOUT_S = 120
 
 
 def write_deploy(path: Path, cluster, run_dir: Path, roles: dict | None = None, hosts: dict | None = None,
@@ -53,11 +61,11 @@ def write_deploy(path: Path, cluster, run_dir: Path, roles: dict | None = None, 
     return path
 
 
-def launch_command(cluster, deploy: Path) -> list[str]:
+def launch_command(cluster, deploy: Path, *extra: str) -> list[str]:
     """The launch of every drill and of the uninterrupted run: checkpoints every step, `MAX_RESTARTS`."""
     return cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE), "--deploy",
                                     str(deploy), f"--rl.max_steps={MAX_STEPS}", "--rl.trainer.ckpt.interval=1",
-                                    f"--max-restarts={MAX_RESTARTS}")
+                                    f"--max-restarts={MAX_RESTARTS}", *extra)
 
 
 def run_uninterrupted(cluster, work: Path) -> tuple[Path, subprocess.CompletedProcess]:
@@ -82,12 +90,14 @@ def target_pid(cluster, host: str, config: str) -> int | None:
 
 
 def run_ssh_drill(cluster, fault: str, work: Path, uninterrupted: Path | None = None) -> dict:
-    """One drill: launch, SIGKILL the `fault` process on host b after the first trained step, let the launcher heal
-    the run. The row of the results table."""
-    config, name = FAULTS[fault]
+    """One drill: launch, SIGKILL (`FAULTS`) or SIGSTOP (`STALLS`, with `STALL_TIMEOUT_S`) the `fault` process on
+    host b after the first trained step, let the launcher heal the run. The row of the results table."""
+    hang = fault in STALLS
+    config, name = {**FAULTS, **STALLS}[fault]
     run_dir = work / "run"
     started = time.monotonic()
-    launcher = subprocess.Popen(launch_command(cluster, write_deploy(work / "deploy.toml", cluster, run_dir)),
+    stall = [f"--rl.stall_timeout_s={STALL_TIMEOUT_S}"] if hang else []
+    launcher = subprocess.Popen(launch_command(cluster, write_deploy(work / "deploy.toml", cluster, run_dir), *stall),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 600
@@ -97,7 +107,7 @@ def run_ssh_drill(cluster, fault: str, work: Path, uninterrupted: Path | None = 
             time.sleep(0.05)
         pid = target_pid(cluster, "b", config)
         assert pid is not None, f"{fault}: no {config} process on host b"
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid, signal.SIGSTOP if hang else signal.SIGKILL)
         trained_before = max((r["step"] for r in read_metrics(run_dir, "trainer")), default=0)
         started_before = max([trained_before, *steps_being_written(run_dir)])
         out, _ = launcher.communicate(timeout=1200)
@@ -105,14 +115,19 @@ def run_ssh_drill(cluster, fault: str, work: Path, uninterrupted: Path | None = 
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+    seconds = round(time.monotonic() - started, 1)
     figures = restart_figures(run_dir, MAX_STEPS, launcher.returncode, started_before, uninterrupted)
+    how = f"SIGSTOP {name.replace(' on host ', '@')} ({fault}) once, mid-run (stall_timeout_s {STALL_TIMEOUT_S})" \
+        if hang else f"SIGKILL {name.replace(' on host ', '@')} ({fault}) once, mid-run"
     return {
-        "fault": f"SIGKILL {name.replace(' on host ', '@')} ({fault}) once, mid-run",
+        "fault": how,
         "layout": "inference on a and b, orchestrator on a, trainer over a and b (2 ranks)",
         "max_restarts": MAX_RESTARTS,
         "trained_before_kill": trained_before,
         **figures,
         "restart_lines": [line for line in out.splitlines() if line.startswith("launch: restart ")],
-        "seconds": round(time.monotonic() - started, 1),
+        # processes of the run still on a host once the launcher has exited (the stopped one, if the stop missed it)
+        "processes_left": {host: len(cluster.stray_processes(host)) for host in cluster.hosts},
+        "seconds": seconds,
         "tail": "" if figures["outcome"] == "finished" else out[-3000:],
     }

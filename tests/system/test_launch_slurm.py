@@ -7,12 +7,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import tomli_w
 from conftest import CHECKLIST_SKIP, RECIPE
 
+from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
 
 pytestmark = pytest.mark.launchers
@@ -83,3 +85,36 @@ def test_ctrl_c_cancels_the_job(slurm, tmp_path):
     assert proc.wait(timeout=180) == 130
     assert f"launch: interrupted; cancelled job {job} (CANCELLED)" in rest
     assert slurm.query("squeue", "-h", "-j", job) == ""
+
+
+def test_a_requeued_job_resumes_the_run_and_counts_the_restart(slurm, tmp_path):
+    """`scontrol requeue` after the first trained step (what a node failure or a preemption does): Slurm kills the
+    job and starts it again with SLURM_RESTART_COUNT 1; it records the restart (its line, metrics.jsonl, the manifest),
+    resumes the run from its checkpoint (one every step) and completes, every step trained once."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(launch_command(tmp_path, "--rl.trainer.ckpt.interval=1"), env=slurm.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not read_metrics(run_dir, "trainer"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
+            time.sleep(0.2)
+        (job,) = slurm.query("squeue", "-h", "-o", "%i").split()
+        assert slurm.query("scontrol", "requeue", job) is not None
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(out[-6000:])
+    assert proc.returncode == 0, out[-3000:]
+    assert f"primerl: job {job} requeued (restart 1); resuming the run" in out
+    assert f"launch: job {job} COMPLETED" in out
+    [restart] = restarts_of_run(run_dir)
+    assert (restart["process"], restart["cause"], restart["host"]) == (
+        f"slurm job {job}", "was requeued by Slurm (SLURM_RESTART_COUNT 1)", slurm.node)
+    assert restart["resumed_from_step"] >= 1  # the first step's checkpoint at least
+    assert sorted(int(r["step"]) for r in read_metrics(run_dir, "trainer")) == [1, 2]  # each step once
+    rl = json.loads((run_dir / "manifest.json").read_text())["stages"]["rl"]
+    assert (rl["status"], rl["restarts"]) == ("completed", 1), rl
+    assert rl["restart_entries"][0]["process"] == f"slurm job {job}"

@@ -21,6 +21,7 @@ from ssh_drills import target_pid, write_deploy
 
 from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
+from primerl.recipes.manifest import read_manifest
 
 pytestmark = pytest.mark.launchers
 
@@ -227,6 +228,16 @@ def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host
     assert "launch: done, 3 steps" in out and "1 restart(s)" in out
     assert trained_steps(run_dir) == [1, 2, 3]  # each step once: the redone step's first record was dropped
     assert snapshots_stable(run_dir, 3)
+    # the recipe's manifest, written on host a, counts the restart and records the outcome
+    manifest = read_manifest(run_dir)
+    rl = manifest["stages"]["rl"]
+    assert (rl["status"], rl["exit_code"], rl["restarts"]) == ("completed", 0, 1), rl
+    assert rl["restart_entries"] == [{"restart": 1, "process": "trainer.0 on host b", "host": "b",
+                                      "cause": "was killed by signal 9",
+                                      "failed_at_step": restarts[0]["failed_at_step"],
+                                      "resumed_from_step": restarts[0]["resumed_from_step"]}]
+    assert manifest["recipe"]["name"] == "tiny" and manifest["launch"]["hosts"]["b"] == cluster.hosts["b"].address
+    assert manifest["overrides"]["rl"]["max_restarts"] == 2 and rl["config"]["max_steps"] == 3
     assert_nothing_left(cluster, run_dir)
 
 

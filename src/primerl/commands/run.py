@@ -34,22 +34,28 @@ from primerl.config import ConfigError
 from primerl.launch.console import stop_quietly
 from primerl.launch.preflight import LaunchError, require_writable, visible_gpus
 from primerl.launch.processes import Terminated, exit_with_parent, primerl_command, raise_terminated
-from primerl.launch.restart import restarts_of_run
-from primerl.recipes.manifest import MANIFEST_FILE, now, write_manifest
+from primerl.launch.restart import restart_fields
+from primerl.recipes.manifest import (
+    INTERRUPTED_EXIT_CODE,
+    MANIFEST_FILE,
+    stage_ended,
+    stage_started,
+    write_manifest,
+)
 from primerl.recipes.pins import format_checks
 from primerl.recipes.plan import RunPlan, plan_run, stage_overrides, start_run
 from primerl.recipes.schema import Recipe, RecipeError, recipe_in_argv
 from primerl.recipes.stages import STAGE_KINDS, load_recipe, validate_stage, with_overrides
 
 CHECK_FAILED_EXIT_CODE = 1
-INTERRUPTED_EXIT_CODE = 130
 
 
 def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
     """Run each stage as `primerl <command> @ <its config>`; stop at the first that fails. Returns its exit code."""
     for stage in plan.recipe.info.stages:
-        record = manifest["stages"][stage]
-        record.update(status="running", started_at=now())
+        stage_started(manifest, stage)
+        if stage == "rl":  # a resumed run's restarts so far (a requeued Slurm job's among them)
+            manifest["stages"][stage].update(restart_fields(plan.configs[stage].output_dir))
         write_manifest(plan.run_dir, manifest)
         command = primerl_command(STAGE_KINDS[stage].command, "@", str(plan.config_file(stage)))
         print(f"primerl: stage {stage}: {' '.join(command[2:])}", file=sys.stderr, flush=True)
@@ -57,13 +63,9 @@ def run_stages(plan: RunPlan, manifest: dict[str, Any]) -> int:
             code = subprocess.run(command, check=False).returncode
         except KeyboardInterrupt:
             code = INTERRUPTED_EXIT_CODE
-        status = {0: "completed", INTERRUPTED_EXIT_CODE: "interrupted"}.get(code, "failed")
-        record.update(status=status, exit_code=code, finished_at=now())
-        if stage == "rl":
-            restarts = restarts_of_run(plan.configs[stage].output_dir)
-            record.update(restarts=len(restarts), restart_causes=[
-                f"{r['process']} {r['cause']} at step {r['failed_at_step']}" for r in restarts])
-        manifest["updated_at"] = now()
+        status = stage_ended(manifest, stage, code)
+        if stage == "rl":  # counted at each restart too (by the rl stage's launcher, in the file)
+            manifest["stages"][stage].update(restart_fields(plan.configs[stage].output_dir))
         write_manifest(plan.run_dir, manifest)
         if code != 0:
             print(f"primerl: stage {stage} {status} (exit code {code}); see {plan.run_dir}", file=sys.stderr)

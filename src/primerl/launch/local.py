@@ -16,6 +16,7 @@ every process, a grace period, then SIGKILL; exit 130.
 from __future__ import annotations
 
 import os
+import platform
 import secrets
 import shutil
 import signal
@@ -315,7 +316,7 @@ def run_rl(cfg: RLConfig, resume: bool | None = None, stream=sys.stdout) -> int:
             console.close()
         failed = failed_process(failure)
         last_lines = f"last lines of {failed.log_path}:\n{failed.tail()}" if failed is not None else None
-        record_restart(run_dir, policy, failure, last_lines)
+        record_restart(run_dir, policy, failure, last_lines, platform.node())  # every process runs here
         cfg = cfg.model_copy(update={"resume": True})
         processes = build_processes(cfg, run_dir, devices, gpus)
 

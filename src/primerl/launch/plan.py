@@ -147,6 +147,7 @@ class LaunchPlan:
     max_restarts: int = 0  # the rl stage's: restarts of the whole run after a process failed or the run hung
     stall_timeout_s: float = 0.0  # the rl stage's: no new metrics record for this long is a hung run (0: never)
     checkpoint_interval: int | None = None  # the trainer's: a restart resumes from the newest of these checkpoints
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # the command line's stage options, {"rl": {...}}
 
     @property
     def run_dir(self) -> str:
@@ -183,11 +184,14 @@ class LaunchPlan:
         return args
 
     def record(self, checklist: Mapping[str, Mapping[str, str]] | None = None) -> str:
-        """`<run>/launch/plan.json`: what ran where, with which software and pins, and each host's checklist."""
+        """`<run>/launch/plan.json`: what ran where, with which software and pins, the command line's stage options
+        and each host's checklist (the run's manifest, `primerl.launch.manifest`, is built from it on the first
+        host)."""
         sw = self.software
         return json.dumps({
             "recipe": {"name": self.recipe.name, "path": self.recipe_on_hosts,
                        "lock_sha256": self.recipe.pins.lock_sha256},
+            "overrides": json.loads(json.dumps(dict(self.overrides), default=str)),
             "software": {"kind": sw.kind, "project_dir": sw.project_dir, "image": sw.image},
             "hosts": {h: self.deploy.hosts[h].address for h in self.hosts if h in self.deploy.hosts},
             "processes": [{"label": p.label, "role": p.role, "host": p.host, "args": list(p.args)}
@@ -292,7 +296,7 @@ def build_plan(recipe: Recipe, deploy: DeployConfig, overrides: Mapping[str, Any
                       files=files, admin_token=secrets.token_urlsafe(32), processes=tuple(processes),
                       max_steps=cfg.max_steps, host_env=host_env, resume_files=resume_files,
                       max_restarts=cfg.max_restarts, stall_timeout_s=cfg.stall_timeout_s,
-                      checkpoint_interval=cfg.trainer.ckpt.interval)
+                      checkpoint_interval=cfg.trainer.ckpt.interval, overrides=dict(overrides or {}))
 
 
 def _process_config_files(cfg: Any, devices: Any, urls: list[str], world: int) -> dict[str, str]:

@@ -1,5 +1,6 @@
 """Child processes of a launcher: each writes to its own log file, runs in its own process group, dies with its
-parent, and is stopped politely first (SIGINT), then by force (SIGKILL to its whole group).
+parent, and is stopped politely first (SIGINT), then by force (SIGKILL to its whole group, and to what it started in
+sessions of its own: torchrun's workers).
 
 Own process groups mean a Ctrl-C in the terminal reaches only the launcher, which then stops the children in order;
 on Linux each child also asks the kernel for SIGTERM when the launcher dies (even by SIGKILL), so no orphan keeps a
@@ -20,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from primerl.cache import CACHE_VAR, follow_cache
 from primerl.multicast import multicast_off
 
 _PR_SET_PDEATHSIG = 1
@@ -112,6 +114,8 @@ def child_environment(extra: Mapping[str, str] | None = None, keep_primerl_vars:
     env["PYTHONUNBUFFERED"] = "1"
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     multicast_off(env)
+    if extra and extra.get(CACHE_VAR):
+        follow_cache(env, extra[CACHE_VAR])
     env.update(extra or {})
     return env
 
@@ -315,8 +319,11 @@ class ManagedProcess:
 
 def stop_all(processes: Sequence[ManagedProcess], grace_s: float, first_signal: int = signal.SIGINT) -> None:
     """Send `first_signal` to every running process, wait up to `grace_s` seconds for all of them, then SIGKILL the
-    groups of those still running, and reap them. A process never started is passed by."""
+    groups of those still running, and reap them; then SIGKILL whatever they had started that outlived them in a
+    session of its own (torchrun's workers: a hung or stopped worker outlives an agent killed before its own stop of
+    them ended). A process never started is passed by."""
     running = [p for p in processes if p.popen is not None and p.poll() is None]
+    below = {proc for p in running for proc in descendants(p.popen.pid)}  # type: ignore[union-attr]
     for p in running:
         p.signal_group(first_signal)
     deadline = time.monotonic() + grace_s
@@ -324,7 +331,49 @@ def stop_all(processes: Sequence[ManagedProcess], grace_s: float, first_signal: 
         time.sleep(0.05)
     for p in running:
         if p.poll() is None:
+            below |= descendants(p.popen.pid)  # type: ignore[union-attr]
             p.signal_group(signal.SIGKILL)
     for p in running:
         if p.popen is not None:
             p.popen.wait()
+    for pid, started in below:
+        if _start_time(pid) == started:  # still the same process (a pid is reused only after its process ended)
+            try:
+                os.kill(pid, signal.SIGKILL)  # stopped or not: SIGKILL ends it
+            except ProcessLookupError:
+                pass
+
+
+def _stat_fields(pid: int | str) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: state, ppid, pgrp, session, ... (None: no such process)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    fields = _stat_fields(pid)
+    return fields[19] if fields else None
+
+
+def descendants(pid: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every live process below `pid`, whatever its process group or session (empty where there
+    is no /proc)."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    try:
+        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
+    except OSError:
+        return set()
+    for name in entries:
+        fields = _stat_fields(name)
+        if fields and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append((int(name), fields[19]))
+    out: set[tuple[int, str]] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child[0])
+    return out

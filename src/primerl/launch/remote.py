@@ -58,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         env["PRIMERL_ADMIN_TOKEN"] = ns.token_file.read_text().strip()
 
     process = ManagedProcess(ns.log.stem, [sys.executable, *args], ns.log, env)
-    stopping = threading.Event()
+    stopper = threading.Thread(target=stop_all, args=([process], ns.grace), daemon=True)
+    first_stop = threading.Lock()  # never released: the first request starts the stop, the others find it taken
 
     def stop(*_: object) -> None:
-        if not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=stop_all, args=([process], ns.grace), daemon=True).start()
+        if first_stop.acquire(blocking=False):
+            stopper.start()
 
     def watch_stdin() -> None:
         for line in sys.stdin:
@@ -79,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     forwarder.start()
     assert process.popen is not None
     code = process.popen.wait()
+    if stopper.ident is not None:  # a stop ends by killing what the process left in sessions of its own: wait for it
+        stopper.join(timeout=30)
     forwarder.join(timeout=5)
     return code if code >= 0 else 128 - code
 

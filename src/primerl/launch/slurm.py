@@ -92,6 +92,16 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
                      for key, value in _dotted(values)]
     run_args = ["-m", "primerl.cli", "run", plan.recipe_on_hosts, "--no-check", "--run-dir", plan.run_dir,
                 *stage_options]
+    # a requeued one-node job records its restart (primerl.launch.restart) before it resumes the run
+    requeued_args = ["-m", "primerl.launch.restart", "requeued", "--run-dir", plan.run_dir, "--prefix", "primerl",
+                     "--host", NODE_OF_TASK]
+    node0_env = plan.host_env[plan.processes[0].host]
+    # several nodes: the run's manifest (primerl.launch.manifest), built on the first node, the rl stage's outcome last
+    on_node0 = f'srun --overlap --nodes=1 --ntasks=1 --nodelist="${{NODES[0]}}" --chdir={shlex.quote(sw.project_dir)}'
+    manifest = ["-m", "primerl.launch.manifest"]
+    manifest_start = shell_words(sw.argv([*manifest, "start", "--run-dir", plan.run_dir, "--recipe",
+                                          plan.recipe_on_hosts, "--host", "@NODE0@"], node0_env))
+    manifest_end = shell_words(sw.argv([*manifest, "end", "--run-dir", plan.run_dir, "--exit-code"], node0_env))
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True)
     log = plan.path("logs/slurm-%j.out")
@@ -100,7 +110,11 @@ def render(recipe: Recipe, deploy: DeployConfig, overrides: dict[str, Any]) -> J
         log=log, partition=slurm.partition, account=slurm.account, gpus_per_node=slurm.gpus_per_node,
         cpus_per_node=slurm.cpus_per_node, extra=slurm.extra, run_dir=plan.run_dir,
         checklist=shlex.quote(checklist_line), processes=processes,
-        run=f"cd {shlex.quote(sw.project_dir)}\n{shell_words(sw.argv(run_args, plan.host_env[plan.processes[0].host]))}",
+        run=f"cd {shlex.quote(sw.project_dir)}\n{shell_words(sw.argv(run_args, node0_env))}",
+        requeued=f"(cd {shlex.quote(sw.project_dir)} && {shell_words(sw.argv(requeued_args, node0_env))} "
+                 '--job "$SLURM_JOB_ID" --count "$SLURM_RESTART_COUNT")',
+        manifest_start=f"{on_node0} {manifest_start} < /dev/null",
+        manifest_end=f'{on_node0} {manifest_end} "$1" < /dev/null',
     )
     return Job(script, plan if multi else None, log, plan.path("launch/job.sbatch"))
 
@@ -149,13 +163,14 @@ class Shell:
 
 
 def job_state(shell: Shell, job_id: str) -> tuple[str, str]:
-    """(state, exit code) of an ended job from sacct; from the job completion log when accounting is off."""
+    """(state, exit code) of an ended job from sacct; from the job completion log when accounting is off. A job that
+    was requeued has one line per start there (the first one's state PENDING): the last line is its latest start's."""
     for extra in ("", "--completion "):
         code, out = shell.run(f"sacct {extra}-j {job_id} -X -n -P -o JobID,State,ExitCode")
-        for line in out.splitlines():
-            fields = line.strip().split("|")
-            if code == 0 and len(fields) == 3 and fields[0] == job_id:
-                return fields[1].split()[0], fields[2]
+        rows = [fields for line in out.splitlines()
+                if len(fields := line.strip().split("|")) == 3 and fields[0] == job_id]
+        if code == 0 and rows:
+            return rows[-1][1].split()[0], rows[-1][2]
     return "UNKNOWN", "?"
 
 

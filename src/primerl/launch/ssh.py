@@ -41,6 +41,7 @@ from typing import Any
 from primerl.config.deploy import DeployConfig
 from primerl.launch.command import USAGE_ERROR, LaunchRequest
 from primerl.launch.host_software import load_image, sync_environment
+from primerl.launch.manifest import PLAN_FILE
 from primerl.launch.plan import ADMIN_TOKEN_FILE, LaunchPlan, PlanError, RoleProcess, build_plan
 from primerl.launch.processes import Terminated, raise_terminated
 from primerl.launch.progress import root_cause
@@ -104,6 +105,7 @@ class SshTarget:
         self.out = out
         self.reports = {host: HostReport(host) for host in plan.hosts}
         self.lock = threading.Lock()
+        self.manifest_started = False  # the run's manifest.json was written (its rl stage's outcome is then recorded)
 
     def say(self, message: str) -> None:
         with self.lock:
@@ -266,8 +268,9 @@ class SshTarget:
             self.put(first, dict(self.plan.resume_files))
         else:
             checklist = {h: {step: status for step, (status, _) in r.steps.items()} for h, r in self.reports.items()}
-            self.put(first, {**self.plan.files, "launch/plan.json": self.plan.record(checklist)})
+            self.put(first, {**self.plan.files, PLAN_FILE: self.plan.record(checklist)})
             self.put(first, {ADMIN_TOKEN_FILE: self.plan.admin_token}, private=True)
+            self.start_manifest()
         processes = []
         for p in self.plan.processes:
             command = self.plan.software.shell(self.plan.supervised_args(p), p.env)
@@ -286,18 +289,37 @@ class SshTarget:
             raise HostError(f"host {first}: {what}: exit {result.exited}: {root_cause(result.stdout + result.stderr)}")
         return result.stdout + result.stderr
 
+    def start_manifest(self) -> None:
+        """The run's manifest.json, built on the first host (`primerl.launch.manifest start`: its pins verified, its
+        packages and facts, the launch record); HostError, and nothing starts, when a pin drifted there."""
+        first = self.plan.hosts[0]
+        self._python(["-m", "primerl.launch.manifest", "start", "--run-dir", self.plan.run_dir, "--recipe",
+                      self.plan.recipe_on_hosts, "--host", first], "writing the manifest")
+        self.manifest_started = True
+
+    def end_manifest(self, code: int) -> None:
+        """Record the run's outcome and restarts in its manifest, on the first host; a failure to is one line."""
+        if not self.manifest_started:
+            return
+        try:
+            self._python(["-m", "primerl.launch.manifest", "end", "--run-dir", self.plan.run_dir, "--exit-code",
+                          str(code)], "recording the run's outcome in its manifest")
+        except Exception as e:  # noqa: BLE001 -- a lost connection too: the run has ended, this is its last record
+            self.say(f"launch: {e}".splitlines()[0])
+
     def trained_steps(self) -> int:
         """The newest step the trainer recorded in the run's metrics.jsonl."""
         out = self._python(["-m", "primerl.launch.restart", "steps", "--run-dir", self.plan.run_dir],
                            "reading the trained steps")
         return int(out.split()[-1])
 
-    def record_restart(self, policy: RestartPolicy, failure: Failure, last_lines: str | None) -> None:
+    def record_restart(self, policy: RestartPolicy, failure: Failure, last_lines: str | None,
+                       host: str | None) -> None:
         """`primerl.launch.restart`'s `record_restart` and `forget_what_is_redone` on the first host; their lines are
-        printed here."""
+        printed here. `host`: the failed process's (None: a hung run, which process hung is unknown)."""
         args = ["-m", "primerl.launch.restart", "record", "--run-dir", self.plan.run_dir, "--restart",
                 str(policy.restarts), "--max-restarts", str(policy.max_restarts), "--process", failure.process,
-                "--cause", failure.cause, "--step", str(failure.step)]
+                "--cause", failure.cause, "--step", str(failure.step), *(["--host", host] if host else [])]
         for line in self._python(args, "recording the restart", last_lines or "").splitlines():
             self.say(line)
 
@@ -448,7 +470,7 @@ def run(target: SshTarget, plan: LaunchPlan, started: float, running: list[Remot
         failed = failed_process(failure)
         last_lines = (f"last lines of {plan.log_path(failed.process)}:\n" + "\n".join(failed.tail)
                       if failed is not None else None)
-        target.record_restart(policy, failure, last_lines)
+        target.record_restart(policy, failure, last_lines, failed.process.host if failed is not None else None)
         resume = True
 
     if plan.max_restarts:
@@ -472,6 +494,7 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
     target = SshTarget(plan, out)
     previous = signal.signal(signal.SIGTERM, raise_terminated)
     processes: list[RemoteProcess] = []  # the current attempt's
+    code = EXIT_FAILED
     try:
         ok = target.preflight() and target.checklist()
         target.say("\n" + target.table())
@@ -480,15 +503,18 @@ def launch(request: LaunchRequest, out=sys.stdout) -> int:
             target.say(f"launch: preflight failed on host(s) {'; '.join(bad)}; nothing was started")
             return EXIT_FAILED
         target.say(f"launch: starting {len(plan.processes)} processes on {', '.join(plan.hosts)}")
-        return run(target, plan, started, processes)
-    except HostError as e:  # a restart's bookkeeping failed on the first host
+        code = run(target, plan, started, processes)
+        return code
+    except HostError as e:  # the manifest could not be written, or a restart's bookkeeping failed, on the first host
         target.say(f"launch: FAILED: {e}; every process was stopped")
         return EXIT_FAILED
     except (KeyboardInterrupt, Terminated):
         target.say("\nlaunch: interrupted; stopping every process on every host")
         stop_all(processes, plan.deploy.shutdown_grace_s)
+        code = EXIT_INTERRUPTED
         return EXIT_INTERRUPTED
     finally:
         signal.signal(signal.SIGTERM, previous)
         stop_all(processes, plan.deploy.shutdown_grace_s)
+        target.end_manifest(code)
         target.close()

@@ -40,6 +40,7 @@ from primerl.storage import atomic_write
 
 MANIFEST_FILE = "manifest.json"
 SCHEMA_VERSION = 1
+INTERRUPTED_EXIT_CODE = 130
 VOLATILE_FIELDS = ("run_id", "created_at", "updated_at", "run_dir", "stages.*.started_at", "stages.*.finished_at")
 
 
@@ -106,6 +107,21 @@ def build_manifest(
             for name, cfg in stage_configs.items()
         },
     }
+
+
+def stage_started(manifest: dict[str, Any], stage: str) -> None:
+    """Mark `stage` running in `manifest` (in memory; `write_manifest` writes it)."""
+    manifest["stages"][stage].update(status="running", started_at=now())
+    manifest["updated_at"] = now()
+
+
+def stage_ended(manifest: dict[str, Any], stage: str, code: int) -> str:
+    """Record `stage`'s outcome from its exit code in `manifest` (in memory): completed (0), interrupted (130) or
+    failed, with the code and the time. Returns the status."""
+    status = {0: "completed", INTERRUPTED_EXIT_CODE: "interrupted"}.get(code, "failed")
+    manifest["stages"][stage].update(status=status, exit_code=code, finished_at=now())
+    manifest["updated_at"] = now()
+    return status
 
 
 def determinism_record(stage_configs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
