@@ -98,6 +98,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     from primerl.models import resolve_model
 
     kept = keep_freed_memory() if not args.no_keep else False
+    if args.repack_beside_old:  # the decoder before the fix: every old packing lives until all new ones are made
+        from primerl.inference.engines.llama import LlamaDecoder
+
+        weights_changed = LlamaDecoder.weights_changed
+
+        def beside_old(self) -> None:
+            old = [p.packed for p in (self.lm_head, *(p for layer in self.projections for p in layer.values()))]
+            weights_changed(self)
+            del old
+
+        LlamaDecoder.weights_changed = beside_old
     engine = HFEngine(resolve_model(args.model), device="cpu", max_batch_size=args.max_batch_size,
                       max_model_len=args.max_model_len, threads=args.threads, seed=0)
     await engine.start()
@@ -250,6 +261,8 @@ def main() -> int:
     parser.add_argument("--warm-up", type=float, default=0.34)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repack-beside-old", action="store_true",
+                        help="re-pack each version while the old packings live, as the decoder did before")
     parser.add_argument("--no-keep", action="store_true", help="leave glibc's malloc settings as they are")
     parser.add_argument("--no-shapes", dest="shapes", action="store_false", help="do not record the shapes")
     parser.add_argument("--http", action="store_true", help="drive the real server process over HTTP instead")
