@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -93,6 +95,42 @@ def test_a_server_that_keeps_freed_memory_packs_twice_at_load_and_serves_the_sam
             assert [e.token_id for e in events] == reference_greedy(reference_model, prompt, GREEDY.max_tokens)
 
     with_engine(tiny_model_dir, test, device="cpu")
+
+
+HEAP_CHILD = """
+import asyncio, sys
+from primerl.cpu import heap_bytes, keep_freed_memory
+from primerl.inference.engines.hf import HFEngine
+
+def anonymous_mb():
+    with open("/proc/self/smaps_rollup") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("Anonymous:")) / 1024
+
+async def main(model):
+    assert keep_freed_memory(), "glibc's mallopt refused"
+    engine = HFEngine(model, max_batch_size=4, device="cpu")
+    await engine.start()
+    blocks = [bytes([1]) * 2**20 for _ in range(400)]  # 400 MB written on the heap (no mmap: kept when freed)
+    del blocks
+    before, free = anonymous_mb(), heap_bytes()[1]
+    await engine.update_weights(model, step=1)
+    print(before, anonymous_mb(), free / 2**20)
+    await engine.stop()
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_weight_version_hands_back_the_free_heap_a_kept_heap_grew(tiny_model_dir):
+    """The CPU server keeps freed memory for reuse (`keep_freed_memory`), so a heap that grew (a block that fitted
+    none of its holes) would stay grown: after a weight version the server hands free pages back once the free space
+    grew past its threshold. Run in a child, whose allocator settings are its own."""
+    done = subprocess.run([sys.executable, "-c", HEAP_CHILD, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after, free = map(float, done.stdout.split()[-3:])
+    assert free > 350, f"the freed blocks were not kept in the heap ({free:.0f} MB free)"
+    assert after < before - 300, f"anonymous memory {before:.0f} -> {after:.0f} MB: the free heap was not handed back"
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from primerl.cpu import keeps_freed_memory
+from primerl.cpu import keeps_freed_memory, trim_freed_memory
 from primerl.inference.engines.base import Engine, Event, Finish, SamplingParams, check_prompt
 from primerl.inference.engines.decoders import Decoder, ReferenceDecoder
 from primerl.inference.engines.hf_rows import Chunk, Request, Rows
@@ -39,6 +39,9 @@ log = logging.getLogger("primerl.inference")
 DecoderKind = Literal["auto", "fast", "reference"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+
+SERVER_TRIM_ABOVE_BYTES = 2**27  # the server's free heap, after a weight version, above which it is handed back ...
+SERVER_TRIM_GROWTH_BYTES = 2**25  # ... once it is also this much above the free space at the last trim
 
 class HFEngine(WeightIntake, Rows, Engine):
     """Continuous-batching engine over a Hugging Face causal LM.
@@ -317,6 +320,10 @@ class HFEngine(WeightIntake, Rows, Engine):
         except BaseException as error:
             self._resolve(done, error)
             raise
+        # A kept heap (CPU) grows now and then when a block fits none of its holes; hand the free pages back once
+        # the free space has grown a step beyond the last trim's (benchmarks/NOTES.md, "The long-run soak"; rare,
+        # so the update's answer waits for it)
+        trim_freed_memory(SERVER_TRIM_ABOVE_BYTES, SERVER_TRIM_GROWTH_BYTES)
         self.policy_version = step
         self._resolve(done)
 
