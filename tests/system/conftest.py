@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -139,3 +140,25 @@ def slurm_login(slurm, tmp_path_factory):
            "known_hosts": str(known_hosts)}
     sshd.terminate()
     sshd.wait(timeout=30)
+
+
+def launch_with_fault(command: list[str], run_dir: Path, fault, env: dict[str, str] | None = None,
+                      poll_s: float = 0.1) -> tuple[int, str]:
+    """Start a launch, wait (up to 10 min) for its trainer's first step in `run_dir`, call `fault()`, then wait (up to
+    15 min) for the launch to end: its exit code and output (the output's tail is printed for the test's log)."""
+    from primerl.monitor import read_metrics
+
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not read_metrics(run_dir, "trainer"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
+            time.sleep(poll_s)
+        fault()
+        out, _ = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    print(out[-6000:])
+    return proc.returncode, out

@@ -7,12 +7,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import CHECKLIST_SKIP, RECIPE
+from conftest import CHECKLIST_SKIP, RECIPE, launch_with_fault
 
 from primerl.launch.restart import restarts_of_run
 from primerl.monitor import read_metrics
@@ -92,22 +91,16 @@ def test_a_requeued_job_resumes_the_run_and_counts_the_restart(slurm, tmp_path):
     job and starts it again with SLURM_RESTART_COUNT 1; it records the restart (its line, metrics.jsonl, the manifest),
     resumes the run from its checkpoint (one every step) and completes, every step trained once."""
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(launch_command(tmp_path, "--rl.trainer.ckpt.interval=1"), env=slurm.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not read_metrics(run_dir, "trainer"):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
-            time.sleep(0.2)
-        (job,) = slurm.query("squeue", "-h", "-o", "%i").split()
-        assert slurm.query("scontrol", "requeue", job) is not None
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    print(out[-6000:])
-    assert proc.returncode == 0, out[-3000:]
+    jobs = []
+
+    def requeue() -> None:
+        jobs.extend(slurm.query("squeue", "-h", "-o", "%i").split())
+        assert len(jobs) == 1 and slurm.query("scontrol", "requeue", jobs[0]) is not None
+
+    code, out = launch_with_fault(launch_command(tmp_path, "--rl.trainer.ckpt.interval=1"), run_dir, requeue,
+                                  env=slurm.env, poll_s=0.2)
+    assert code == 0, out[-3000:]
+    (job,) = jobs
     assert f"primerl: job {job} requeued (restart 1); resuming the run" in out
     assert f"launch: job {job} COMPLETED" in out
     [restart] = restarts_of_run(run_dir)

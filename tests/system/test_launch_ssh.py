@@ -10,13 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 import tomli_w
-from conftest import CHECKLIST_SKIP, RECIPE
+from conftest import CHECKLIST_SKIP, RECIPE, launch_with_fault
 from ssh_drills import target_pid, write_deploy
 
 from primerl.launch.restart import restarts_of_run
@@ -204,22 +203,14 @@ def test_the_trainer_killed_on_its_host_mid_run_the_launcher_restarts_every_host
     command = cluster.launcher_command(sys.executable, "-m", "primerl.cli", "launch", "ssh", str(RECIPE), "--deploy",
                                        str(deploy), "--rl.max_steps=3", "--rl.trainer.ckpt.interval=1",
                                        "--max-restarts=2")
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 600
-        while not read_metrics(run_dir, "trainer"):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step was trained"
-            time.sleep(0.05)
+
+    def kill_the_trainer() -> None:
         pid = target_pid(cluster, "b", "trainer.toml")
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        out, _ = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    print(out[-6000:])
-    assert proc.returncode == 0, out[-3000:]
+
+    code, out = launch_with_fault(command, run_dir, kill_the_trainer, poll_s=0.05)
+    assert code == 0, out[-3000:]
     restarts = restarts_of_run(run_dir)
     assert [(r["process"], r["cause"]) for r in restarts] == [("trainer.0 on host b", "was killed by signal 9")]
     assert restarts[0]["resumed_from_step"] >= 1  # a checkpoint every step: the first one at least
