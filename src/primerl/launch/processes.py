@@ -357,23 +357,32 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if fields else None
 
 
-def descendants(pid: int) -> set[tuple[int, str]]:
-    """(pid, start time) of every live process below `pid`, whatever its process group or session (empty where there
-    is no /proc)."""
-    children: dict[int, list[tuple[int, str]]] = {}
+def process_table() -> dict[int, list[str]] | None:
+    """Every process's /proc/<pid>/stat fields after its command name (state, ppid, pgrp, ...), by pid; None where
+    there is no /proc."""
     try:
         entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
     except OSError:
-        return set()
-    for name in entries:
-        fields = _stat_fields(name)
-        if fields and fields[0] != "Z":
-            children.setdefault(int(fields[1]), []).append((int(name), fields[19]))
-    out: set[tuple[int, str]] = set()
+        return None
+    return {int(name): fields for name in entries if (fields := _stat_fields(name)) is not None}
+
+
+def below(table: Mapping[int, list[str]], pid: int) -> list[int]:
+    """The pids under `pid` in `table` (`process_table`), whatever their process group or session."""
+    children: dict[int, list[int]] = {}
+    for child, fields in table.items():
+        children.setdefault(int(fields[1]), []).append(child)
+    out: list[int] = []
     todo = [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            if child not in out:
-                out.add(child)
-                todo.append(child[0])
+        found = children.get(todo.pop(), [])
+        out += found
+        todo += found
     return out
+
+
+def descendants(pid: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every live process below `pid`, whatever its process group or session (empty where there
+    is no /proc)."""
+    live = {p: fields for p, fields in (process_table() or {}).items() if fields[0] != "Z"}
+    return {(p, live[p][19]) for p in below(live, pid)}

@@ -12,7 +12,7 @@ import os
 import re
 import time
 
-from primerl.launch.processes import ManagedProcess
+from primerl.launch.processes import ManagedProcess, below, process_table
 
 
 class ProgressWatch:
@@ -114,27 +114,8 @@ def root_cause(text: str) -> str:
 def tree_cpu_seconds(pid: int) -> float | None:
     """CPU seconds (user + system) spent by process `pid`, its descendants, and the children they have reaped, read
     from /proc; None where there is no /proc (then only the log shows progress)."""
-    stats: dict[int, tuple[int, float]] = {}  # pid -> (parent, cpu seconds)
+    table = process_table()
+    if table is None or pid not in table:
+        return None
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    try:
-        entries = [e.name for e in os.scandir("/proc") if e.name.isdigit()]
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                fields = f.read().rpartition(b")")[2].split()
-        except OSError:  # gone meanwhile
-            continue
-        stats[int(entry)] = (int(fields[1]), sum(int(v) for v in fields[11:15]) / tick)
-    if pid not in stats:
-        return None
-    children: dict[int, list[int]] = {}
-    for child, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(child)
-    total, todo = 0.0, [pid]
-    while todo:
-        current = todo.pop()
-        total += stats[current][1]
-        todo += children.get(current, [])
-    return total
+    return sum(sum(int(v) for v in table[p][11:15]) / tick for p in [pid, *below(table, pid)])
