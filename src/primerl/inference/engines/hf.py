@@ -38,10 +38,9 @@ log = logging.getLogger("primerl.inference")
 
 DecoderKind = Literal["auto", "fast", "reference"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 SERVER_TRIM_ABOVE_BYTES = 2**27  # the server's free heap, after a weight version, above which it is handed back ...
 SERVER_TRIM_GROWTH_BYTES = 2**25  # ... once it is also this much above the free space at the last trim
+
 
 class HFEngine(WeightIntake, Rows, Engine):
     """Continuous-batching engine over a Hugging Face causal LM.

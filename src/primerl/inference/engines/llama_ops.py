@@ -51,7 +51,7 @@ class _Projection:
         """Re-pack the weight. The old packing is freed first, so the new one (the same size) takes its place in the
         heap: a server keeps every block it frees (`primerl.cpu.keep_freed_memory`), and a new packing made while the
         old one lived went elsewhere each version, around the blocks allocated in between, and the heap's free space
-        grew with the versions (benchmarks/NOTES.md, "The long-run soak", section 7). The caller holds no other
+        grew with the versions (benchmarks/NOTES.md, "The long-run soak", section 9). The caller holds no other
         reference to the old packing (`LlamaDecoder.weights_changed`)."""
         if self.prepack:
             self.packed = None
