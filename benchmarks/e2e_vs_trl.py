@@ -224,7 +224,9 @@ def trl_generation(args: argparse.Namespace) -> dict:
 
 
 def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: argparse.Namespace) -> dict:
-    command = [str(python), str(script), "--model-dir", str(model_dir), "--prompts", str(prompts),
+    accumulate = ([str(REPO / "benchmarks" / "trl_accumulate.py"), "--micro-batch", str(args.trl_micro_batch)]
+                  if args.trl_micro_batch else [])  # each step's rollouts in micro-batches (benchmarks/trl_accumulate.py)
+    command = [str(python), *accumulate, str(script), "--model-dir", str(model_dir), "--prompts", str(prompts),
                "--steps", str(args.steps), "--rollouts", str(args.prompts_per_step * args.group),
                "--group", str(args.group), "--max-new-tokens", str(args.new_tokens), "--lr", str(args.lr),
                *(["--bf16"] if args.bf16 else []),
@@ -249,6 +251,8 @@ def run_trl(python: Path, script: Path, model_dir: Path, prompts: Path, args: ar
         "wall_s": round(wall, 2),
         "clock": "trainer.train()",
         "generation": trl_generation(args),
+        **({"micro_batch": next(json.loads(line) for line in result.stdout.splitlines()
+                                if line.startswith('{"trl_micro_batch"'))} if args.trl_micro_batch else {}),
         "rollouts_per_s": summary["rollouts_per_s"],
         "cold_rollouts_per_s": round(args.prompts_per_step * args.group * args.steps / wall, 4),
         "steady_rollouts_per_s": _steady_rate([s["t"] for s in steps], args.prompts_per_step * args.group),
@@ -345,6 +349,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-vllm-memory", type=float, default=0.3,
                         help="with --trl-vllm-colocate: vLLM's share of the GPU memory (the peer's default 0.3)")
     parser.add_argument("--trl-vllm-sleep", action="store_true", help="with --trl-vllm-colocate: vLLM's sleep mode")
+    parser.add_argument("--trl-micro-batch", type=int, help="the peer trains each step's rollouts in micro-batches of "
+                        "at most this many rows (gradient accumulation; default: all in one, as the harness does)")
     parser.add_argument("--side-timeout-s", type=float, help="limit of each primerl and peer run (default: none)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     add_smoke_flag(parser)

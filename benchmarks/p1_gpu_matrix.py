@@ -98,6 +98,7 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
         *(["--trl-python", str(args.trl_python)] if args.trl_python else []),
         *(["--trl-pythonpath", args.trl_pythonpath] if args.trl_pythonpath is not None else []),
         *(["--side-timeout-s", str(args.side_timeout_s)]),
+        *(["--trl-micro-batch", str(args.trl_micro_batch)] if args.trl_micro_batch else []),
     ])
 
 
@@ -201,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-pythonpath", help="PYTHONPATH for the peer (TRL, and vLLM for trl-vllm)")
     parser.add_argument("--trl-vllm-memory", type=float, default=0.3, help="trl-vllm: vLLM's share of the GPU")
     parser.add_argument("--trl-vllm-sleep", action="store_true", help="trl-vllm: vLLM's sleep mode")
+    parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's rows per forward and backward (gradient "
+                        "accumulation over the step's rollouts; 0: all in one, which does not fit the real sizes)")
     parser.add_argument("--side-timeout-s", type=float, default=500.0, help="limit of each side's run")
     parser.add_argument("--work-dir", type=Path, default=HERE.parent / "runs" / "p1-gpu-matrix")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "p1_gpu_matrix.json")

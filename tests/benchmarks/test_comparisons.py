@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 import p1_gpu_matrix
+import trl_accumulate
 import vllm_offline
 from sides import run_side
 
@@ -69,3 +70,14 @@ def test_a_side_that_fails_or_runs_out_is_an_error_not_a_figure():
     assert failed["error"] == "exit 3" and "tok_s" not in failed
     slow = run_side([sys.executable, "-c", "import time; time.sleep(30)"], timeout_s=1)
     assert slow["error"].startswith("timed out") and "tok_s" not in slow
+
+
+@pytest.mark.parametrize(("rollouts", "micro", "expected"), [(512, 16, (16, 32)), (128, 16, (16, 8)),
+                                                              (8, 16, (8, 1)), (96, 64, (48, 2)), (7, 4, (1, 7))])
+def test_the_peer_trains_its_step_in_equal_micro_batches_of_at_most_the_size_asked(rollouts, micro, expected):
+    assert trl_accumulate.split(rollouts, micro) == expected
+
+
+def test_a_micro_batch_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="positive"):
+        trl_accumulate.split(512, 0)

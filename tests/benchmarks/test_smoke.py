@@ -24,7 +24,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 BENCHMARKS = REPO / "benchmarks"
-LIBRARIES = {"report.py", "sides.py", "procs.py"}  # the harness, side-process helpers and /proc readers
+# the harness, side-process helpers, /proc readers, and the TRL peer's launcher (benchmarks/e2e_vs_trl.py runs it)
+LIBRARIES = {"report.py", "sides.py", "procs.py", "trl_accumulate.py"}
 TIMEOUT_S = 840  # per script; the smoke runs take seconds of CPU each, but the machine may be busy
 
 

@@ -62,3 +62,32 @@ def test_chunks_launched_ahead_equal_one_step_at_a_time_on_cuda():
         assert tokens_ahead == tokens
         torch.testing.assert_close(torch.tensor(logprobs_ahead), torch.tensor(logprobs), atol=1e-4, rtol=1e-4)
     assert [len(tokens) for tokens, _ in ahead] == [140, 5, 30, 9]
+
+
+def test_a_row_growing_past_the_first_cache_capacity_recaptures_the_graphs():
+    """The cache starts at 256 positions and the warm-up captures the graphs at that capacity; a row that decodes
+    past it grows the cache, which drops every captured graph, and the next capture must succeed (it failed in the
+    caching allocator while the old graphs' pool was reused) and go on sampling what one step at a time samples."""
+    import asyncio
+
+    from primerl.inference.engines.base import Finish, SamplingParams
+    from primerl.inference.engines.hf import HFEngine
+
+    prompt = [1, 17, 45, 300, 12, 7, 8]
+    params = SamplingParams(max_tokens=400, temperature=1.0, seed=11, ignore_eos=True)
+
+    async def run(cuda_graphs: bool) -> list[int]:
+        engine = HFEngine("tiny", device="cuda", dtype="float32", max_batch_size=4, compile=True,
+                          decode_steps=8, overlap=True, cuda_graphs=cuda_graphs)
+        await engine.start()
+        try:
+            events = [e async for e in engine.generate(prompt, params, "long")]
+            assert isinstance(events[-1], Finish) and events[-1].reason == "length", events[-1]
+            assert engine.compile
+            return [e.token_id for e in events[:-1]]
+        finally:
+            await engine.stop()
+
+    graphs = asyncio.run(run(True))
+    assert len(graphs) == 400
+    assert graphs == asyncio.run(run(False))

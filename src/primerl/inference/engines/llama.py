@@ -151,6 +151,11 @@ class LlamaDecoder(Decoder):
         self.capacity = capacity
         self.graphs.clear()
         self.sampling_graphs.clear()
+        if self.cuda_graphs:
+            # a fresh pool for the graphs captured from now on: the dropped graphs released the old one, and torch
+            # refuses a capture into a released pool while a block from it is still alive (an internal assert in
+            # the caching allocator), which is what a row growing past the first capacity met
+            self.graph_pool = torch.cuda.graph_pool_handle()
 
     @torch.inference_mode()
     def weights_changed(self) -> None:
