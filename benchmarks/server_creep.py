@@ -10,6 +10,10 @@ safetensors file instead, as the server reads a checkpoint's version). Every `--
 number of distinct input shapes the decoder's packed matmuls and attention products have met, then fits a line over
 the batches after the warm-up (`--warm-up`, a fraction) and reports MB per 100 batches for each. Heap fragmentation
 shows as free bytes growing, live growth as bytes in use growing, kernel caches as shapes growing with memory.
+It also times the server's heap trim after each version (`trim`: calls, how many fired, ms each) and counts the
+process's minor page faults and CPU seconds per batch after the warm-up, which is what a trim costs later: the pages it
+handed back are faulted in again when the engine reuses them. `--trim-above-mb`/`--trim-growth-mb` replace the
+server's thresholds (`hf.SERVER_TRIM_ABOVE_BYTES`, `SERVER_TRIM_GROWTH_BYTES`; `none`: no growth condition).
 
     uv run python benchmarks/server_creep.py --batches 300 --out <file>
     uv run python benchmarks/server_creep.py --smoke      # the tiny model, a few batches
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import resource
 import sys
 import time
 from pathlib import Path
@@ -93,11 +98,27 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from primerl.cpu import heap_bytes, keep_freed_memory
+    from primerl.inference.engines import hf
     from primerl.inference.engines.base import SamplingParams
     from primerl.inference.engines.hf import HFEngine
     from primerl.models import resolve_model
 
     kept = keep_freed_memory() if not args.no_keep else False
+    if args.trim_above_mb is not None:
+        hf.SERVER_TRIM_ABOVE_BYTES = int(args.trim_above_mb * 2**20)
+    if args.trim_growth_mb is not None:
+        hf.SERVER_TRIM_GROWTH_BYTES = None if args.trim_growth_mb == "none" else int(float(args.trim_growth_mb) * 2**20)
+    trims: list[tuple[int, float, int]] = []  # (batch, seconds, bytes free when it fired or 0)
+    trim = hf.trim_freed_memory
+    batch = 0
+
+    def timed_trim(*args_: Any) -> int:  # the engine's own call, timed
+        started_ = time.perf_counter()
+        freed = trim(*args_)
+        trims.append((batch, time.perf_counter() - started_, freed))
+        return freed
+
+    hf.trim_freed_memory = timed_trim
     if args.repack_beside_old:  # the decoder before the fix: every old packing lives until all new ones are made
         from primerl.inference.engines.llama import LlamaDecoder
 
@@ -142,10 +163,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for batch in range(args.batches + 1):
         if batch % args.sample_every == 0:
             heap = heap_bytes() or (0, 0)
+            usage = resource.getrusage(resource.RUSAGE_SELF)
             samples.append({
                 "batch": batch, "s": round(time.monotonic() - started, 1), **smaps_rollup(),
                 "heap_in_use_mb": heap[0] / 2**20, "heap_free_mb": heap[1] / 2**20,
                 "linear_shapes": len(shapes.linear), "matmul_shapes": len(shapes.matmul),
+                "minflt": usage.ru_minflt, "user_s": round(usage.ru_utime, 2), "sys_s": round(usage.ru_stime, 2),
             })
             print(samples[-1], file=sys.stderr, flush=True)
         if batch == args.batches:
@@ -166,7 +189,32 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     keys = ("pss_mb", "uss_mb", "anon_mb", "heap_in_use_mb", "heap_free_mb", "linear_shapes", "matmul_shapes")
     return summarize(args, samples, keys, {"keep_freed_memory": kept, "tokens_out": tokens_out,
-                                           "wall_s": round(time.monotonic() - started, 1)})
+                                           "wall_s": round(time.monotonic() - started, 1),
+                                           "trim": trim_summary(args, trims, samples)})
+
+
+def trim_summary(args: argparse.Namespace, trims: list[tuple[int, float, int]],
+                 samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The server's trims after the warm-up (calls, fired, ms each) and, per batch over the same batches, the minor
+    page faults and CPU seconds (user, system) of the whole process."""
+    start = args.warm_up * args.batches
+    late = [t for t in trims if t[0] >= start]
+    fired = sorted(s for _, s, freed in late if freed)
+    idle = sorted(s for _, s, freed in late if not freed)
+    after = [s for s in samples if s["batch"] >= start]
+    per_batch = {}
+    if len(after) > 1:
+        batches = after[-1]["batch"] - after[0]["batch"]
+        for key in ("minflt", "user_s", "sys_s", "s"):
+            per_batch[key] = round((after[-1][key] - after[0][key]) / batches, 4)
+
+    def ms(values: list[float]) -> dict[str, float] | None:
+        return {"median_ms": round(values[len(values) // 2] * 1e3, 2), "mean_ms": round(sum(values) / len(values)
+                * 1e3, 2), "max_ms": round(values[-1] * 1e3, 2)} if values else None
+
+    return {"calls": len(late), "fired": len(fired), "fired_ms": ms(fired), "not_fired_ms": ms(idle),
+            "free_mb_when_fired": [round(freed / 2**20, 1) for _, _, freed in late if freed][:5],
+            "per_batch_after_warm_up": per_batch}
 
 async def run_http(args: argparse.Namespace) -> dict[str, Any]:
     """The real `primerl inference` process (the demo's settings: one thread, 16 rows, 512 positions), sent the
@@ -264,11 +312,18 @@ def main() -> int:
     parser.add_argument("--repack-beside-old", action="store_true",
                         help="re-pack each version while the old packings live, as the decoder did before")
     parser.add_argument("--no-keep", action="store_true", help="leave glibc's malloc settings as they are")
+    parser.add_argument("--trim-above-mb", type=float, help="the server's trim floor instead of its own")
+    parser.add_argument("--trim-growth-mb", help="the server's trim growth step instead of its own (none: no step)")
     parser.add_argument("--no-shapes", dest="shapes", action="store_false", help="do not record the shapes")
     parser.add_argument("--http", action="store_true", help="drive the real server process over HTTP instead")
     parser.add_argument("--out", type=Path)
     add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.trim_growth_mb not in (None, "none"):
+        try:
+            float(args.trim_growth_mb)
+        except ValueError:
+            parser.error(f"--trim-growth-mb takes MB or none, got {args.trim_growth_mb!r}")
     if args.smoke:
         args.model, args.batches, args.sample_every, args.min_tokens, args.max_tokens = "tiny", 6, 2, 2, 8
     result = asyncio.run(run_http(args) if args.http else run(args))

@@ -96,20 +96,23 @@ def heap_bytes() -> tuple[int, int] | None:
     return int(info.uordblks), int(info.fordblks)
 
 
-def trim_freed_memory(above_bytes: int = TRIM_ABOVE_BYTES, growth_bytes: int = TRIM_GROWTH_BYTES) -> int:
+def trim_freed_memory(above_bytes: int = TRIM_ABOVE_BYTES, growth_bytes: int | None = TRIM_GROWTH_BYTES) -> int:
     """Where `keep_freed_memory` applied and the heap holds more than `above_bytes` free, and more than `growth_bytes`
     above what it held free at this process's last trim, hand the free pages back to the system (glibc's
     `malloc_trim(0)`): the heap's size then follows what the process uses instead of growing with its fragmentation.
     Otherwise nothing happens, so the step-to-step reuse `keep_freed_memory` is for is kept: a step that frees the
     same 1.2 GB every time (the demo's trainer) is trimmed once, not every step, where each trim cost ~0.1 s and the
     next step's page faults (2.7 % of the step; benchmarks/NOTES.md, "The long-run soak"); free space that keeps
-    growing is trimmed at each `growth_bytes` more. Returns the bytes that were free when it trimmed (0 when it did
+    growing is trimmed at each `growth_bytes` more. `growth_bytes=None`: every call above `above_bytes` trims, for a
+    process whose free space stays level while the pages a trim handed back are faulted in again, a few at a time, by
+    allocations that land there (the CPU server). Returns the bytes that were free when it trimmed (0 when it did
     not)."""
     global _trimmed_free
     if not _kept:
         return 0
     heap = heap_bytes()
-    if heap is None or heap[1] <= max(above_bytes, _trimmed_free + growth_bytes):
+    floor = above_bytes if growth_bytes is None else max(above_bytes, _trimmed_free + growth_bytes)
+    if heap is None or heap[1] <= floor:
         return 0
     libc = _glibc()
     assert libc is not None

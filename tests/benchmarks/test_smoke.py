@@ -95,7 +95,7 @@ CASES = [
     Smoke("weights.py", ("export_s", "num_bytes", "gib_per_s")),
     Smoke("engine.py", ("engine_tok_s", "hf_generate_tok_s", "hf_generate_batch_tok_s", "ratio"),
           not_run=("device_busy", "copy_bandwidth_gb_s")),
-    Smoke("server_creep.py", ("growth_after_warm_up", "samples", "keep_freed_memory")),
+    Smoke("server_creep.py", ("growth_after_warm_up", "samples", "keep_freed_memory", "trim")),
     Smoke("decode_profile.py", ("eager",), not_run=("graph_replay", "compiled")),
     Smoke("vllm_h200.py", ("p3", "rl_commands"), not_run=("p3.vllm", "rl")),
     Smoke("vllm_offline.py", ("settings", "sides", "ratios"),

@@ -110,27 +110,31 @@ async def main(model):
     assert keep_freed_memory(), "glibc's mallopt refused"
     engine = HFEngine(model, max_batch_size=4, device="cpu")
     await engine.start()
-    blocks = [bytes([1]) * 2**20 for _ in range(400)]  # 400 MB written on the heap (no mmap: kept when freed)
-    del blocks
-    before, free = anonymous_mb(), heap_bytes()[1]
-    await engine.update_weights(model, step=1)
-    print(before, anonymous_mb(), free / 2**20)
+    for step in (1, 2):  # the second time the free space is no larger than at the first trim
+        blocks = [bytes([step]) * 2**20 for _ in range(400)]  # 400 MB written on the heap (no mmap: kept when freed)
+        del blocks
+        before, free = anonymous_mb(), heap_bytes()[1]
+        await engine.update_weights(model, step=step)
+        print(before, anonymous_mb(), free / 2**20)
     await engine.stop()
 
 asyncio.run(main(sys.argv[1]))
 """
 
 
-def test_a_weight_version_hands_back_the_free_heap_a_kept_heap_grew(tiny_model_dir):
-    """The CPU server keeps freed memory for reuse (`keep_freed_memory`), so a heap that grew (a block that fitted
-    none of its holes) would stay grown: after a weight version the server hands free pages back once the free space
-    grew past its threshold. Run in a child, whose allocator settings are its own."""
+def test_a_weight_version_hands_back_the_free_heap_its_pages_grew_into(tiny_model_dir):
+    """The CPU server keeps freed memory for reuse (`keep_freed_memory`), so pages written once stay the process's
+    even when free: after every weight version the server hands the free pages back, also where the free space has
+    not grown since the last trim but allocations have faulted the pages it handed back in again (the demo's server
+    crept ~0.25 MB a step that way; benchmarks/NOTES.md, "The long-run soak"). Run in a child, whose allocator
+    settings are its own."""
     done = subprocess.run([sys.executable, "-c", HEAP_CHILD, str(tiny_model_dir)], capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    before, after, free = map(float, done.stdout.split()[-3:])
-    assert free > 350, f"the freed blocks were not kept in the heap ({free:.0f} MB free)"
-    assert after < before - 300, f"anonymous memory {before:.0f} -> {after:.0f} MB: the free heap was not handed back"
+    for line in done.stdout.splitlines()[-2:]:
+        before, after, free = map(float, line.split())
+        assert free > 350, f"the freed blocks were not kept in the heap ({free:.0f} MB free)"
+        assert after < before - 300, f"anonymous memory {before:.0f} -> {after:.0f} MB: the free heap was kept"
 
 
 @pytest.mark.parametrize("overlap", [False, True])

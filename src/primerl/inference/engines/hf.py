@@ -38,8 +38,8 @@ log = logging.getLogger("primerl.inference")
 
 DecoderKind = Literal["auto", "fast", "reference"]
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SERVER_TRIM_ABOVE_BYTES = 2**27  # the server's free heap, after a weight version, above which it is handed back ...
-SERVER_TRIM_GROWTH_BYTES = 2**25  # ... once it is also this much above the free space at the last trim
+SERVER_TRIM_ABOVE_BYTES = 2**24  # the server's free heap, after a weight version, above which it is handed back ...
+SERVER_TRIM_GROWTH_BYTES: int | None = None  # ... after every version: no growth step (benchmarks/NOTES.md, soak)
 
 
 class HFEngine(WeightIntake, Rows, Engine):
@@ -319,9 +319,10 @@ class HFEngine(WeightIntake, Rows, Engine):
         except BaseException as error:
             self._resolve(done, error)
             raise
-        # A kept heap (CPU) grows now and then when a block fits none of its holes; hand the free pages back once
-        # the free space has grown a step beyond the last trim's (benchmarks/NOTES.md, "The long-run soak"; rare,
-        # so the update's answer waits for it)
+        # A kept heap (CPU) grows now and then when a block fits none of its holes, and the pages a trim handed
+        # back are faulted in again a few at a time by the blocks that land there: hand the free pages back after
+        # every version, so the process follows its bytes in use (benchmarks/NOTES.md, "The long-run soak": ~6 ms
+        # and the re-faults of the pages the next batch reuses, ~1 % of a demo step; the update's answer waits)
         trim_freed_memory(SERVER_TRIM_ABOVE_BYTES, SERVER_TRIM_GROWTH_BYTES)
         self.policy_version = step
         self._resolve(done)
