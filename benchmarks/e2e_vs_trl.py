@@ -168,6 +168,7 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
         "seconds": round(seconds, 2),
         "wall_s": round(wall, 2),
         "clock": "from the first generation to the trainer's last step",
+        "launch_to_first_step_s": round(trained[0]["time"] - started, 2),  # `rl` started -> the trainer's step 1
         "rollouts_per_s": round(per_step * args.steps / seconds, 4),
         "cold_rollouts_per_s": round(per_step * args.steps / wall, 4),
         "backward_dtype": backward_dtype(run_dir, args),

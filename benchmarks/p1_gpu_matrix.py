@@ -140,7 +140,8 @@ def figures(side: str, run: dict, tokens: int, per_step: int, steps: int) -> dic
     if "error" in run:
         return run
     out = {key: run[key] for key in ("rollouts_per_s", "steady_rollouts_per_s", "cold_rollouts_per_s", "seconds",
-                                     "wall_s", "rewards", "backward_dtype", "generation", "versions") if key in run}
+                                     "wall_s", "launch_to_first_step_s", "rewards", "backward_dtype", "generation",
+                                     "versions", "micro_batch") if key in run}
     out["lost_rollouts"] = run.get("lost_rollouts", 0 if side.startswith("trl-") else None)
     if side.startswith("trl-"):
         out["lost_rollouts_note"] = "TRL trains on every rollout it generated (no server between)"
