@@ -129,7 +129,7 @@ CASES = [
     Smoke("trainer_memory.py", ("modes", "steps"), marks=INTEGRATION),
     Smoke("soak.py", ("runs", "steps_completed"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
           marks=INTEGRATION),
-    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error"), not_run=("demo", "tiny_long_rows"),
+    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error", "gpu"), not_run=("demo", "tiny_long_rows"),
           args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"

@@ -114,7 +114,8 @@ def _safetensors_params(path: Path) -> int:
 
 @dataclass
 class ProcessNeed:
-    """One process's estimated peak: resident host memory and, on a GPU, device memory (bytes), with its parts.
+    """One process's estimated peak: resident host memory and, on a GPU, device memory (bytes), with its parts (of
+    the device memory on a GPU, of the host memory otherwise).
     `gpus` are the devices it runs on (indices of the host's GPUs); `gpu_bytes` is what it takes on each of them.
     `copies` processes of this role run (the trainer's ranks): `host_bytes` counts them all."""
 
@@ -151,8 +152,7 @@ def trainer_need(model: ModelShape, seq_len: int, micro_batch_rows: int, on_gpu:
     }
     if on_gpu:
         parts["CUDA context"] = float(CUDA_CONTEXT_BYTES)
-        return ProcessNeed("trainer", (base + 4.0 * p) * ranks, sum(parts.values()), {"imports": base, **parts},
-                           copies=ranks)
+        return ProcessNeed("trainer", (base + 4.0 * p) * ranks, sum(parts.values()), parts, copies=ranks)
     parts["free heap kept between steps"] = float(min(HEAP_KEPT_BYTES, sum(parts.values()) / 2))
     parts = {"imports": base, **parts}
     return ProcessNeed("trainer", sum(parts.values()), 0.0, parts)
@@ -193,8 +193,7 @@ def inference_need(model: ModelShape, dtype_bytes: int, max_batch_size: int, max
             raise ValueError("vLLM's share of a GPU is gpu_memory_utilization x the device's memory: give device_bytes")
         claimed = gpu_memory_utilization * device_bytes
         return ProcessNeed("inference", base + weights, claimed,
-                           {"imports": base, f"vLLM's gpu_memory_utilization {gpu_memory_utilization:g} of the device":
-                            claimed}, gpus=gpus)
+                           {f"gpu_memory_utilization {gpu_memory_utilization:g} of the device": claimed}, gpus=gpus)
     positions = embedded_kv_capacity(longest_row or max_model_len, max_model_len)
     parts = {"weights": weights, f"kv cache ({max_batch_size} rows x {positions} positions)":
              kv_bytes(model, dtype_bytes, max_batch_size, positions),
