@@ -111,6 +111,7 @@ def test_colocated_processes_add_up_on_their_gpu():
     assert max(n.gpu_bytes for n in needs) < H100  # each alone fits: only their sum does not
     fits, line = gpu_fit_line(needs, {0: H100})
     assert not fits and line.startswith("GPU 0 ") and "inference" in line and "trainer" in line and "\n" not in line
+    assert "(kv 256 rows x 1025 positions)" in line  # the engine's cache as sized, to read against the prompts
     smaller = estimate_rl(validate_stage(recipe, "rl", overrides=gpu_run(micro_batch_rows=4)), QWEN3_06B, on_gpu=True)
     assert gpu_fit_line(smaller, {0: H100})[0]
 

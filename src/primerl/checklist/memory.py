@@ -272,9 +272,15 @@ def gpu_fit_line(needs: list[ProcessNeed], device_bytes: dict[int, float]) -> tu
     for gpu, here in device_needs(needs).items():
         total, have = sum(n.gpu_bytes for n in here), device_bytes[gpu]
         fits = fits and total <= have
-        who = " + ".join(f"{n.role} {n.gpu_bytes / 2**30:.2f}" for n in here)
+        who = " + ".join(f"{n.role} {n.gpu_bytes / 2**30:.2f}{_kv_size(n)}" for n in here)
         each.append(f"GPU {gpu} {total / 2**30:.2f} GiB ({who}) of {have / 2**30:.2f} GiB")
     return fits, ", ".join(each)
+
+
+def _kv_size(need: ProcessNeed) -> str:
+    """' (kv 256 rows x 1025 positions)' for the embedded engine: the assumption a reader checks against the recipe."""
+    sized = [part[len("kv cache ("):-1] for part in need.parts if part.startswith("kv cache (")]
+    return f" (kv {sized[0]})" if sized else ""
 
 
 def available_bytes() -> float | None:
