@@ -114,6 +114,10 @@ def test_colocated_processes_add_up_on_their_gpu():
     assert "(kv 256 rows x 1025 positions)" in line  # the engine's cache as sized, to read against the prompts
     smaller = estimate_rl(validate_stage(recipe, "rl", overrides=gpu_run(micro_batch_rows=4)), QWEN3_06B, on_gpu=True)
     assert gpu_fit_line(smaller, {0: H100})[0]
+    two_gpus = {**gpu_run(), "weight_transfer": "filesystem"}  # shared needs one device
+    apart = estimate_rl(validate_stage(recipe, "rl", overrides=two_gpus), QWEN3_06B, on_gpu=True, gpu_count=2)
+    assert [n.gpus for n in apart if n.gpus] == [(0,), (1,)]  # two GPUs: the server on one, the trainer on the other
+    assert gpu_fit_line(apart, {0: H100, 1: H100})[0]
 
 
 def test_the_gpu_trainer_estimate_follows_the_auto_micro_batch():

@@ -211,7 +211,9 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False, gpu_count: in
     (a row may run that far past its end before the host sees it), at most max_model_len. Not seq_len: a row longer
     than seq_len is dropped by the orchestrator only after the engine decoded it, and a seq_len bound would size the
     cache for the longest trainable row, twice or more what short-prompt runs allocate."""
-    devices = cfg.assign_devices(gpu_count if on_gpu else 0)
+    from primerl.config.rl import DeviceAssignment
+
+    devices = cfg.assign_devices(gpu_count) if on_gpu else DeviceAssignment([], [])
     cfg = cfg.with_devices(devices)
     inference, orchestrator, trainer = cfg.process_configs(devices, base_url="http://127.0.0.1:0")
     dtype = inference.model.dtype
