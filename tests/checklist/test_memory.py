@@ -4,6 +4,7 @@ that will not fit."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from primerl.checklist.memory import (
     gpu_fit_line,
     inference_need,
     kv_bytes,
+    micro_batch_hint,
 )
 from primerl.models import resolve_model
 from primerl.recipes.stages import load_recipe, validate_stage
@@ -165,3 +167,20 @@ def test_the_kv_capacity_rule_matches_the_engine():
         decoder._reserve(longest)
         allocated = sum(c.numel() * c.element_size() for c in (*decoder.k_cache, *decoder.v_cache))
         assert allocated == kv_bytes(shape, 4, 3, embedded_kv_capacity(longest, max_len)), (longest, max_len)
+
+
+def test_a_gpu_run_that_does_not_fit_is_told_the_trainer_rows_a_pass_that_would():
+    """The refusal names the most rows per pass that fit beside the server (the run that ran out of memory on an 80 GB
+    H100 had 8), and says so when not even one row would."""
+    recipe = load_recipe(TINY_RECIPE)
+    cfg = validate_stage(recipe, "rl", overrides=gpu_run())
+    hint = micro_batch_hint(cfg, QWEN3_06B, {0: H100})
+    match = re.fullmatch(r"; with trainer.train.micro_batch_rows = (\d+) \(now 8\) it would fit", hint)
+    assert match, hint
+    rows = int(match[1])
+    assert 1 <= rows < 8
+    fitting = validate_stage(recipe, "rl", overrides=gpu_run(micro_batch_rows=rows))
+    assert gpu_fit_line(estimate_rl(fitting, QWEN3_06B, on_gpu=True), {0: H100})[0]
+    one_more = validate_stage(recipe, "rl", overrides=gpu_run(micro_batch_rows=rows + 1))
+    assert not gpu_fit_line(estimate_rl(one_more, QWEN3_06B, on_gpu=True), {0: H100})[0]
+    assert "not even with one trainer row" in micro_batch_hint(cfg, QWEN3_06B, {0: 32 * 2**30})

@@ -343,7 +343,27 @@ def check_memory_fit(ctx: Any) -> str:
     if on_gpu:
         gpu_fits, gpu_line = gpu_fit_line(needs, gpus)
         line += f"; {gpu_line}"
+        if not gpu_fits:
+            line += micro_batch_hint(cfg, shape, gpus)
         fits = fits and gpu_fits
     if not fits:
         raise Fail(f"will not fit: {line}")
     return line
+
+
+def micro_batch_hint(cfg: Any, shape: ModelShape, gpus: dict[int, float]) -> str:
+    """For a GPU run that does not fit: the most trainer rows per pass with which it would (`trainer.train.
+    micro_batch_rows`; fewer rows a pass take more passes a step, the same step), or that one row does not suffice."""
+    needs = estimate_rl(cfg, shape, on_gpu=True, gpu_count=len(gpus), device_bytes=min(gpus.values()))
+    trainer = next(n for n in needs if n.role == "trainer")
+    if not trainer.gpus:
+        return ""
+    rows = cfg.trainer.train.micro_batch_rows or _auto_micro_batch_rows(cfg.seq_len, on_gpu=True)
+    for fewer in range(rows - 1, 0, -1):
+        trial = cfg.model_copy(deep=True)
+        trial.trainer.train.micro_batch_rows = fewer
+        if gpu_fit_line(estimate_rl(trial, shape, on_gpu=True, gpu_count=len(gpus),
+                                    device_bytes=min(gpus.values())), gpus)[0]:
+            return f"; with trainer.train.micro_batch_rows = {fewer} (now {rows}) it would fit"
+    return ("; not even with one trainer row a pass: turn on trainer.train.activation_checkpointing, lower "
+            "inference.max_batch_size, or give the trainer its own GPU")
