@@ -131,8 +131,10 @@ def primerl_config(model_dir: Path, system_prompt_file: Path, args: argparse.Nam
         "trainer": {
             "optim": {"lr": args.lr},
             **threads.get("trainer", {}),
-            **({} if args.backward_dtype is None else {"train": {**threads.get("trainer", {}).get("train", {}),
-                                                                 "backward_dtype": args.backward_dtype}}),
+            **({} if args.backward_dtype is None and args.micro_batch_rows is None else {"train": {
+                **threads.get("trainer", {}).get("train", {}),
+                **({} if args.backward_dtype is None else {"backward_dtype": args.backward_dtype}),
+                **({} if args.micro_batch_rows is None else {"micro_batch_rows": args.micro_batch_rows})}}),
             "ckpt": {"save_at_end": False},  # the peer saves nothing either
         },
     }
@@ -168,6 +170,7 @@ def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
         "seconds": round(seconds, 2),
         "wall_s": round(wall, 2),
         "clock": "from the first generation to the trainer's last step",
+        "launch_to_first_step_s": round(trained[0]["time"] - started, 2),  # `rl` started -> the trainer's step 1
         "rollouts_per_s": round(per_step * args.steps / seconds, 4),
         "cold_rollouts_per_s": round(per_step * args.steps / wall, 4),
         "backward_dtype": backward_dtype(run_dir, args),
@@ -349,6 +352,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-vllm-memory", type=float, default=0.3,
                         help="with --trl-vllm-colocate: vLLM's share of the GPU memory (the peer's default 0.3)")
     parser.add_argument("--trl-vllm-sleep", action="store_true", help="with --trl-vllm-colocate: vLLM's sleep mode")
+    parser.add_argument("--micro-batch-rows", type=int, help="primerl's trainer.train.micro_batch_rows (rows of "
+                        "--seq-len tokens per forward and backward; default: the trainer's auto)")
     parser.add_argument("--trl-micro-batch", type=int, help="the peer trains each step's rollouts in micro-batches of "
                         "at most this many rows (gradient accumulation; default: all in one, as the harness does)")
     parser.add_argument("--side-timeout-s", type=float, help="limit of each primerl and peer run (default: none)")

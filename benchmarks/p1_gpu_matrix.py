@@ -92,6 +92,8 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
         "--trl-script", str(args.trl_script), "--model-dir", str(model_dir), "--bf16", "--rounds", "1",
         "--steps", str(args.steps), "--prompts-per-step", str(prompts), "--group", str(group),
         "--new-tokens", str(tokens), "--seq-len", str(max(2048, tokens + 512)),
+        *(["--micro-batch-rows", str(max(1, args.primerl_micro_batch_tokens // max(2048, tokens + 512)))]
+          if args.primerl_micro_batch_tokens else []),
         "--max-batch-size", str(args.max_batch_size), "--weight-transfer", "shared", "--lr", str(args.lr),
         "--work-dir", str(args.work_dir), "--trl-vllm-memory", str(args.trl_vllm_memory),
         *(["--trl-vllm-sleep"] if args.trl_vllm_sleep else []),
@@ -140,7 +142,8 @@ def figures(side: str, run: dict, tokens: int, per_step: int, steps: int) -> dic
     if "error" in run:
         return run
     out = {key: run[key] for key in ("rollouts_per_s", "steady_rollouts_per_s", "cold_rollouts_per_s", "seconds",
-                                     "wall_s", "rewards", "backward_dtype", "generation", "versions") if key in run}
+                                     "wall_s", "launch_to_first_step_s", "rewards", "backward_dtype", "generation",
+                                     "versions", "micro_batch") if key in run}
     out["lost_rollouts"] = run.get("lost_rollouts", 0 if side.startswith("trl-") else None)
     if side.startswith("trl-"):
         out["lost_rollouts_note"] = "TRL trains on every rollout it generated (no server between)"
@@ -202,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-pythonpath", help="PYTHONPATH for the peer (TRL, and vLLM for trl-vllm)")
     parser.add_argument("--trl-vllm-memory", type=float, default=0.3, help="trl-vllm: vLLM's share of the GPU")
     parser.add_argument("--trl-vllm-sleep", action="store_true", help="trl-vllm: vLLM's sleep mode")
+    parser.add_argument("--primerl-micro-batch-tokens", type=int, default=8192, help="primerl's tokens per forward "
+                        "and backward (packed rows of seq_len; about TRL's 16 rows of a 512-token cell; 0: the "
+                        "trainer's auto, 16,384 on a GPU, which beside a 256-row engine does not fit Qwen3-0.6B on 80 GB)")
     parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's rows per forward and backward (gradient "
                         "accumulation over the step's rollouts; 0: all in one, which does not fit the real sizes)")
     parser.add_argument("--side-timeout-s", type=float, default=500.0, help="limit of each side's run")
@@ -247,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
                          "tokenizer": str(args.tokenizer_dir) if args.tokenizer_dir else None, "new_tokens": tokens,
                          "prompts_per_step": prompts, "rollouts_per_prompt": group, "steps": e2e.steps, "lr": e2e.lr,
                          "precision": "bfloat16" if e2e.bf16 else "float32", "primerl_weight_transfer":
-                         e2e.weight_transfer, "primerl_max_batch_size": e2e.max_batch_size}
+                         e2e.weight_transfer, "primerl_max_batch_size": e2e.max_batch_size,
+                         "primerl_micro_batch_rows": e2e.micro_batch_rows, "seq_len": e2e.seq_len,
+                         "trl_micro_batch": e2e.trl_micro_batch}
     device = card()
     for side in SIDES:
         if side not in chosen:

@@ -105,6 +105,7 @@ CASES = [
     Smoke("carry_site.py", ("needed", "packed", "tarball_mib"), out="site.tar.gz", json_out=False),
     Smoke("fuzz.py", ("http", "loaders")),
     Smoke("load_cpu.py", ("completed", "server_peak_rss_mb", "ok")),
+    Smoke("server_overhead.py", ("settings", "runs", "loop_us_per_token", "tok_s")),
     Smoke("carry_vllm.py", ("pins", "part_budget_mib", "wheels_present")),
     Smoke("orchestrator_cpu.py", ("runs", "tasks_per_step"), marks=INTEGRATION),
     Smoke("fsdp_scaling.py", ("losses_match", "speedup", "loss_per_step"), marks=INTEGRATION),
@@ -129,7 +130,7 @@ CASES = [
     Smoke("trainer_memory.py", ("modes", "steps"), marks=INTEGRATION),
     Smoke("soak.py", ("runs", "steps_completed"), not_run=("demo",), args=("--work-dir", "{tmp}/work"),
           marks=INTEGRATION),
-    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error"), not_run=("demo", "tiny_long_rows"),
+    Smoke("memory_fit.py", ("rows", "configs", "max_relative_error", "gpu"), not_run=("demo", "tiny_long_rows"),
           args=("--work-dir", "{tmp}/work"), marks=INTEGRATION),
 ]
 DRILLS_VAR = "PRIMERL_DRILLS"

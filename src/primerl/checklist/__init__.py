@@ -11,7 +11,8 @@ Steps, in order (`--only` / `--skip` pick them by name):
     run_dir      the run directory can be created and written
     model        the model files are present with the pinned hashes
     memory_fit   each process's peak memory, estimated from the model and the run's sizes (checklist/memory.py),
-                 fits the machine's available memory (and GPU memory); printed beside it
+                 fits the machine's available memory (and on GPUs each device's memory, the processes that
+                 share a device summed); printed beside it
     environment  the rl stage's environment loads with the recipe's `env.args` and yields a task
     sft_trainer  `primerl sft` trains one micro-step of configs/debug/fake/sft.toml and saves (recipes with an sft
                  stage, on the recipe's model; without a recipe on the fake config's own model)

@@ -17,6 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -34,14 +35,10 @@ from primerl.inference.protocol import (
     ChunkChoice,
     ChunkDelta,
     FunctionCallDelta,
-    GenerateChoice,
-    GenerateLogprobs,
     GenerateRequest,
-    GenerateResponse,
     PromptLogprob,
     RequestModel,
     SamplingFields,
-    TokenIdLogprob,
     TokenLogprob,
     ToolCallDelta,
     TopLogprob,
@@ -324,29 +321,10 @@ class Completions:
             params = self.engine_params(sp, len(req.token_ids), sp.max_tokens, "token_ids", sp.stop_token_ids or ())
             streams = self.start_streams(req.token_ids, params, f"{request_id}-{uuid.uuid4().hex[:8]}")
             samples = await asyncio.gather(*(_collect(s) for s in streams))
-        choices = [
-            GenerateChoice(
-                index=index,
-                token_ids=sample.token_ids,
-                finish_reason=_finish_reason(sample.finish, False),
-                logprobs=None
-                if sp.logprobs is None
-                else GenerateLogprobs(
-                    content=[
-                        TokenIdLogprob(token=f"token_id:{t}", logprob=lp)
-                        for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)
-                    ]
-                ),
-                policy_versions=sample.policy_versions(),
-                token_policy_versions=sample.token_versions,
-            )
-            for index, sample in enumerate(samples)
-        ]
         usage = _usage(len(req.token_ids), samples)
         self._log_done("generate", request_id, usage, started, samples)
-        body = GenerateResponse(request_id=request_id, prompt_token_ids=req.token_ids, choices=choices, usage=usage,
-                                prompt_logprobs=prompt_logprobs)
-        return JSONResponse(body.model_dump(mode="json"), headers=self.version_headers())
+        return JSONResponse(generate_body(request_id, req.token_ids, samples, sp.logprobs is not None, usage,
+                                          prompt_logprobs), headers=self.version_headers())
 
     async def _prompt_logprobs(self, token_ids: list[int]) -> list[dict[str, PromptLogprob] | None]:
         """vLLM's `prompt_logprobs` of `token_ids`: None for the first token, then {"<id>": {"logprob": x}}."""
@@ -375,6 +353,36 @@ class Completions:
             self.engine.policy_version,
             time.perf_counter() - started,
         )
+
+
+def generate_body(request_id: str, prompt_ids: list[int], samples: Sequence[CompletionSample], logprobs: bool,
+                  usage: Usage, prompt_logprobs: list[dict[str, PromptLogprob] | None] | None) -> dict[str, Any]:
+    """The token route's response, `GenerateResponse`'s JSON form, built as plain data: a reply of n x max_tokens
+    tokens would otherwise make a model object per token and dump each back, on the event loop, whose time a GPU
+    engine loses (benchmarks/NOTES.md, "The server's own CPU per token"). A test checks that `GenerateResponse`
+    validates this body and dumps it unchanged."""
+    return {
+        "request_id": request_id,
+        "prompt_token_ids": prompt_ids,
+        "choices": [
+            {
+                "index": index,
+                "token_ids": sample.token_ids,
+                "finish_reason": _finish_reason(sample.finish, False),
+                "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": lp}
+                                         for t, lp in zip(sample.token_ids, sample.logprobs, strict=True)]}
+                if logprobs else None,
+                "policy_versions": sample.policy_versions(),
+                "token_policy_versions": sample.token_versions,
+            }
+            for index, sample in enumerate(samples)
+        ],
+        "usage": usage.model_dump(mode="json"),
+        "prompt_logprobs": None if prompt_logprobs is None else [
+            None if entry is None else {token: value.model_dump(mode="json") for token, value in entry.items()}
+            for entry in prompt_logprobs
+        ],
+    }
 
 
 def _finish_reason(finish: Finish | None, has_tool_calls: bool) -> str:

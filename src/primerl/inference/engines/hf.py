@@ -110,7 +110,7 @@ class HFEngine(WeightIntake, Rows, Engine):
         self._rows: list[Request] = []
         self._ahead: Chunk | None = None  # launched, not yet read (with `overlap`)
         self.chunks_ahead = 0  # chunks launched while the one before was still in flight (with `overlap`)
-        self._outbox: list[tuple[asyncio.Queue[Event], Event]] = []
+        self._outbox: list[tuple[asyncio.Queue[list[Event]], Event]] = []
         self._paused = False
         self._stopping = False
         # weight receiver thread
@@ -218,9 +218,9 @@ class HFEngine(WeightIntake, Rows, Engine):
         finished = False
         try:
             while not finished:
-                event = await request.stream.get()
-                finished = isinstance(event, Finish)
-                yield event
+                for event in await request.stream.get():
+                    finished = isinstance(event, Finish)
+                    yield event
         finally:
             self._in_flight.discard(request.request_id)
             if not finished:
@@ -354,10 +354,13 @@ class HFEngine(WeightIntake, Rows, Engine):
         if not self._outbox:
             return
         outbox, self._outbox = self._outbox, []
+        grouped: dict[asyncio.Queue[list[Event]], list[Event]] = {}
+        for stream, event in outbox:  # one queue item per request per flush (a chunk's tokens), not one per token
+            grouped.setdefault(stream, []).append(event)
 
         def deliver() -> None:
-            for stream, event in outbox:
-                stream.put_nowait(event)
+            for stream, events in grouped.items():
+                stream.put_nowait(events)
 
         assert self._loop is not None
         self._loop.call_soon_threadsafe(deliver)

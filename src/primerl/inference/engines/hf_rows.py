@@ -28,7 +28,7 @@ class Request:
     request_id: str
     prompt: list[int]
     params: SamplingParams
-    stream: asyncio.Queue[Event]
+    stream: asyncio.Queue[list[Event]]  # the engine thread hands over each flush's events of this request at once
     rng: random.Random
     stop_ids: frozenset[int]
     stop_window: int  # trailing tokens to decode when looking for stop strings
@@ -69,7 +69,7 @@ class Rows:
     _waiting: deque[Request]
     _rows: list[Request]
     _ahead: Chunk | None
-    _outbox: list[tuple[asyncio.Queue[Event], Event]]
+    _outbox: list[tuple[asyncio.Queue[list[Event]], Event]]
 
     def _admit(self) -> None:
         """Prefill as many waiting requests as there are free rows (within the prefill token budget)."""
