@@ -16,6 +16,7 @@
 #   bash benchmarks/gpu_rl_x1.sh vllm-part OUT [N]  # check and extract part N of .carry/vllm (every part carried
 #                                                # when N is left out) into $VLLM_SITE (default /tmp/vsite); once all
 #                                                # parts are in, the import check (OUT/vllm_part*.json)
+#   bash benchmarks/gpu_rl_x1.sh engine-tests OUT  # tests/gpu/test_embedded_engine_cuda.py
 #   bash benchmarks/gpu_rl_x1.sh vllm-tests OUT  # tests/gpu/test_vllm_engine.py (vllm, trl and primerl's packages
 #                                                # under $VLLM_SITE, brought by vllm-part on the calls before)
 #   bash benchmarks/gpu_rl_x1.sh vllm-p3 OUT     # benchmarks/vllm_h200.py part (a): P3 with vLLM beside the embedded
@@ -203,6 +204,11 @@ learn)
     fi
     cp -r /tmp/learn/primerl-0/logs /tmp/learn/primerl-0/metrics.jsonl /tmp/learn-prof/ 2>/dev/null
     tar czf "$out/learn_bundle.tar.gz" -C /tmp learn-prof
+    ;;
+engine-tests)  # the embedded engine's GPU tests: CUDA graphs, the compiled decode, chunks launched ahead, a row
+    # growing the cache past its first capacity (needs only torch: primerl's own packages come from src/)
+    run engine_tests 300 python3 -m pytest tests/gpu/test_embedded_engine_cuda.py -v -rs -p no:cacheprovider \
+        --timeout 280 --junitxml "$out/engine_tests.xml"
     ;;
 vllm-tests)
     python3 -c 'import pytest, pytest_timeout' 2> /dev/null \
