@@ -79,7 +79,14 @@ def test_workers_write_the_batches_the_loop_writes_in_its_own_process(server, tm
         assert alone.meta["samples"] == pooled.meta["samples"]  # policy versions and version runs per sample
         assert alone.arrays.keys() == pooled.arrays.keys()
         for name in alone.arrays:
-            np.testing.assert_array_equal(alone.arrays[name], pooled.arrays[name], err_msg=f"step {step}: {name}")
+            if name == "inference_logprobs":
+                # the same sampled tokens, scored in batches of other row counts (the requests reach the server
+                # from two processes, at other times): where the CPU kernel's blocking follows the row count, a
+                # log-prob may differ in its last bits (seen: 5 of 2,048 by at most 4.8e-7 on an AMD EPYC host)
+                np.testing.assert_allclose(alone.arrays[name], pooled.arrays[name], rtol=0, atol=1e-5,
+                                           err_msg=f"step {step}: {name}")
+            else:
+                np.testing.assert_array_equal(alone.arrays[name], pooled.arrays[name], err_msg=f"step {step}: {name}")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
