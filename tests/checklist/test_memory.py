@@ -174,7 +174,7 @@ def test_a_gpu_run_that_does_not_fit_is_told_the_trainer_rows_a_pass_that_would(
     H100 had 8), and says so when not even one row would."""
     recipe = load_recipe(TINY_RECIPE)
     cfg = validate_stage(recipe, "rl", overrides=gpu_run())
-    hint = micro_batch_hint(cfg, QWEN3_06B, {0: H100})
+    hint = micro_batch_hint(cfg, QWEN3_06B, {0: H100}, estimate_rl(cfg, QWEN3_06B, on_gpu=True))
     match = re.fullmatch(r"; with trainer.train.micro_batch_rows = (\d+) \(now 8\) it would fit", hint)
     assert match, hint
     rows = int(match[1])
@@ -183,4 +183,6 @@ def test_a_gpu_run_that_does_not_fit_is_told_the_trainer_rows_a_pass_that_would(
     assert gpu_fit_line(estimate_rl(fitting, QWEN3_06B, on_gpu=True), {0: H100})[0]
     one_more = validate_stage(recipe, "rl", overrides=gpu_run(micro_batch_rows=rows + 1))
     assert not gpu_fit_line(estimate_rl(one_more, QWEN3_06B, on_gpu=True), {0: H100})[0]
-    assert "not even with one trainer row" in micro_batch_hint(cfg, QWEN3_06B, {0: 32 * 2**30})
+    small = {0: 32 * 2**30}
+    needs = estimate_rl(cfg, QWEN3_06B, on_gpu=True, device_bytes=small[0])
+    assert "not even with one trainer row" in micro_batch_hint(cfg, QWEN3_06B, small, needs)

@@ -63,7 +63,6 @@ HEAP_KEPT_BYTES = 2**30  # free heap a CPU trainer keeps between steps at most (
 ACTIVATION_HIDDEN, ACTIVATION_MLP = 8, 4
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 CUDA_CONTEXT_BYTES = 512 * MB  # a process's CUDA context and kernel images, outside torch's allocator
-KV_FIRST_CAPACITY = 256  # the embedded engine's first cache capacity in positions (llama.py: 2 x _MIN_SPAN)
 # The longest prompt the embedded engine's KV estimate allows for (tokens; a row is prompt + max_tokens): the shipped
 # single-turn environments send tens of tokens (31-35 for reverse-text). A longer prompt (a multi-turn history, long
 # documents) can push the cache to the next power of two, doubling it: an underestimate, the dangerous direction.
@@ -134,7 +133,7 @@ class ProcessNeed:
 
 def trainer_need(model: ModelShape, seq_len: int, micro_batch_rows: int, on_gpu: bool, backward_bf16: bool,
                  chunk_tokens: int, activation_checkpointing: bool = False, forked: bool = False,
-                 ranks: int = 1) -> ProcessNeed:
+                 ranks: int = 1, gpus: tuple[int, ...] = ()) -> ProcessNeed:
     """One trainer rank's peak. On a GPU, `ranks` > 1 shards the weights, gradients and AdamW's moments (FSDP2);
     autocast keeps a bfloat16 copy of the weights through the backward (`backward_bf16` is the CPU's choice)."""
     base = (BASE_MB if forked else FRESH_MB)["trainer"] * MB
@@ -152,7 +151,7 @@ def trainer_need(model: ModelShape, seq_len: int, micro_batch_rows: int, on_gpu:
     }
     if on_gpu:
         parts["CUDA context"] = float(CUDA_CONTEXT_BYTES)
-        return ProcessNeed("trainer", (base + 4.0 * p) * ranks, sum(parts.values()), parts, copies=ranks)
+        return ProcessNeed("trainer", (base + 4.0 * p) * ranks, sum(parts.values()), parts, gpus=gpus, copies=ranks)
     parts["free heap kept between steps"] = float(min(HEAP_KEPT_BYTES, sum(parts.values()) / 2))
     parts = {"imports": base, **parts}
     return ProcessNeed("trainer", sum(parts.values()), 0.0, parts)
@@ -162,10 +161,9 @@ def embedded_kv_capacity(longest_row: int, max_len: int) -> int:
     """The positions per row the embedded engine's KV cache holds once a row of `longest_row` positions has been
     decoded (`LlamaDecoder._reserve`): a capacity that doubles from 256 until it covers the row, at most max_len,
     plus the spare position it keeps at the end."""
-    capacity = KV_FIRST_CAPACITY
-    while capacity < longest_row:
-        capacity *= 2
-    return min(capacity, max_len) + 1
+    from primerl.inference.engines.llama import cache_capacity  # torch: imported only for a GPU estimate
+
+    return cache_capacity(longest_row, max_len) + 1
 
 
 def kv_bytes(model: ModelShape, dtype_bytes: int, rows: int, positions: int) -> float:
@@ -238,10 +236,10 @@ def estimate_rl(cfg: Any, model: ModelShape, on_gpu: bool = False, gpu_count: in
                        gpus=tuple(devices.inference) if inference_on_gpu else ()),
         ProcessNeed("orchestrator", BASE_MB["orchestrator"] * MB + TOKENIZER_BYTES_PER_TOKEN * model.vocab,
                     parts={"imports": BASE_MB["orchestrator"] * MB, "tokenizer": TOKENIZER_BYTES_PER_TOKEN * model.vocab}),
-        _placed(trainer_need(model, cfg.seq_len, micro_batch_rows, trainer_on_gpu, backward_bf16,
-                             trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing, forked,
-                             ranks=devices.trainer_ranks if trainer_on_gpu else 1),
-                tuple(devices.trainer) if trainer_on_gpu else ()),
+        trainer_need(model, cfg.seq_len, micro_batch_rows, trainer_on_gpu, backward_bf16,
+                     trainer.train.logprob_chunk_tokens, trainer.train.activation_checkpointing, forked,
+                     ranks=devices.trainer_ranks if trainer_on_gpu else 1,
+                     gpus=tuple(devices.trainer) if trainer_on_gpu else ()),
     ]
 
 
@@ -252,11 +250,6 @@ def _auto_micro_batch_rows(seq_len: int, on_gpu: bool) -> int:
     from primerl.trainer.core import auto_micro_batch_rows
 
     return auto_micro_batch_rows(seq_len, torch.device("cuda" if on_gpu else "cpu"))
-
-
-def _placed(need: ProcessNeed, gpus: tuple[int, ...]) -> ProcessNeed:
-    need.gpus = gpus
-    return need
 
 
 def device_needs(needs: list[ProcessNeed]) -> dict[int, list[ProcessNeed]]:
@@ -344,17 +337,17 @@ def check_memory_fit(ctx: Any) -> str:
         gpu_fits, gpu_line = gpu_fit_line(needs, gpus)
         line += f"; {gpu_line}"
         if not gpu_fits:
-            line += micro_batch_hint(cfg, shape, gpus)
+            line += micro_batch_hint(cfg, shape, gpus, needs)
         fits = fits and gpu_fits
     if not fits:
         raise Fail(f"will not fit: {line}")
     return line
 
 
-def micro_batch_hint(cfg: Any, shape: ModelShape, gpus: dict[int, float]) -> str:
-    """For a GPU run that does not fit: the most trainer rows per pass with which it would (`trainer.train.
-    micro_batch_rows`; fewer rows a pass take more passes a step, the same step), or that one row does not suffice."""
-    needs = estimate_rl(cfg, shape, on_gpu=True, gpu_count=len(gpus), device_bytes=min(gpus.values()))
+def micro_batch_hint(cfg: Any, shape: ModelShape, gpus: dict[int, float], needs: list[ProcessNeed]) -> str:
+    """For a GPU run that does not fit (`needs`, its estimate on `gpus`): the most trainer rows per pass with which it
+    would (`trainer.train.micro_batch_rows`; fewer rows a pass take more passes a step, the same step), or that one
+    row does not suffice."""
     trainer = next(n for n in needs if n.role == "trainer")
     if not trainer.gpus:
         return ""

@@ -44,6 +44,16 @@ _SUPPORTED_TYPES = {"llama", "qwen2", "qwen3"}
 _MIN_SPAN = 128
 
 
+def cache_capacity(length: int, max_len: int, current: int = 0) -> int:
+    """The positions per row the KV cache grows to for a row of `length` positions (the spare one not counted): from
+    `current` (at least 2 x _MIN_SPAN) doubling until it covers the row, at most max_len. The checklist's memory
+    estimate sizes the cache with it too."""
+    capacity = max(current, _MIN_SPAN * 2)
+    while capacity < length:
+        capacity *= 2
+    return min(capacity, max_len)
+
+
 class LlamaDecoder(Decoder):
     """Static-KV-cache decoder over a Llama-family HF model; see the module docstring."""
 
@@ -129,10 +139,7 @@ class LlamaDecoder(Decoder):
         """Grow the cache to hold `length` positions per row (capacity doubles; captured graphs are dropped)."""
         if length <= self.capacity:
             return
-        capacity = max(self.capacity, _MIN_SPAN * 2)
-        while capacity < length:
-            capacity *= 2
-        capacity = min(capacity, self.max_len)
+        capacity = cache_capacity(length, self.max_len, self.capacity)
         # one spare position, never attended to: a decode step's slice of the cache is then never one contiguous
         # block, which the compiled attention products would read differently (a second compile)
         shape = (self.max_rows, self.num_kv_heads, capacity + 1, self.head_dim)
