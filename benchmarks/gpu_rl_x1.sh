@@ -27,7 +27,8 @@
 #                                                # LLM.generate, primerl's adapter in-process, the server with vLLM
 #                                                # and with the embedded engine (OUT/vllm_offline.json; sides measured
 #                                                # on an earlier call of a warm machine are kept). OFFLINE_SIDES,
-#                                                # OFFLINE_BATCHES (default 64,256), SIDE_TIMEOUT_S (default 120)
+#                                                # OFFLINE_BATCHES (default 64,256), SIDE_TIMEOUT_S (default 120);
+#                                                # with .carry/pyspy's wheel, py-spy on each server side
 #   bash benchmarks/gpu_rl_x1.sh p1-cell OUT     # benchmarks/p1_gpu_matrix.py: one cell of the P1-GPU matrix,
 #                                                # CELL=ARCH/TOKENS/PROMPTSxGROUP (e.g. qwen3-0.6b/512/64x8), CELL_SIDES
 #                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S (default 240),
@@ -234,10 +235,14 @@ vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the 
     [ -d "$vllm_site/vllm" ] \
         || { echo "no vllm under $vllm_site: bring .carry/vllm's parts first (stage vllm-part)"; exit 2; }
     mkdir -p /tmp/primerl-vllm
+    spy=()  # py-spy on each server side through one more batch (.carry/pyspy's wheel, when carried)
+    if compgen -G ".carry/pyspy/*.whl" > /dev/null; then
+        python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .carry/pyspy/*.whl && spy=(--py-spy /tmp/pyspy/bin/py-spy)
+    fi
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_offline 525 python3 benchmarks/vllm_offline.py \
         --sides "${OFFLINE_SIDES:-vllm-offline,adapter,adapter-detokenize,server-vllm,server-embedded}" \
         --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" --profile \
-        --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
+        "${spy[@]}" --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
     cp /tmp/primerl-vllm/vllm_offline.json "$out/"
     ;;
 p1-cell)  # one cell of the P1-GPU matrix; the random Qwen3 models take .carry/qwen3-tok's tokenizer (QWEN3_TOK)

@@ -89,6 +89,29 @@ def profile_top(profile: Any, limit: int = 25) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: r["tottime_s"], reverse=True)[:limit]
 
 
+def pyspy_top(raw: str, limit: int = 25) -> dict[str, Any]:
+    """py-spy's raw (collapsed) stacks summarized: the samples, and the `limit` functions with the most samples on
+    top of the stack (own) and anywhere in it (inclusive), each with its share of the samples."""
+    own: dict[str, int] = {}
+    inclusive: dict[str, int] = {}
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")]  # a function, not its lines
+        total += int(count)
+        own[frames[-1]] = own.get(frames[-1], 0) + int(count)
+        for frame in set(frames):
+            inclusive[frame] = inclusive.get(frame, 0) + int(count)
+
+    def top(counts: dict[str, int]) -> list[dict[str, Any]]:
+        rows = sorted(counts.items(), key=lambda kv: kv[1], reverse=True)[:limit]
+        return [{"frame": frame, "samples": n, "share": round(n / total, 4)} for frame, n in rows]
+
+    return {"samples": total, "top_own": top(own), "top_inclusive": top(inclusive)}
+
+
 @contextmanager
 def inference_server(model_dir: Path, log_path: Path, *args: str, startup_s: float = 300.0) -> Iterator[tuple[str, int]]:
     """`primerl inference` on loopback and a free port serving `model_dir` as "bench"; yields (base URL, pid)

@@ -14,7 +14,10 @@ through each side, each side in its own process with a time limit (`--side-timeo
 - `server-vllm` / `server-embedded`: `primerl inference` with the vLLM or the embedded engine, the batch sent at once
   through the token route (`/inference/v1/generate`, as the orchestrator sends it), with the server's CPU seconds
   (its own process, and its descendants: vLLM's engine core) over the timed runs;
-- `embedded`: the embedded engine called in this process (the in-process counterpart of `server-embedded`).
+- `embedded`: the embedded engine called in this process (the in-process counterpart of `server-embedded`);
+- `adapter-each-token` / `server-vllm-each-token`: `adapter` / `server-vllm` with vLLM handing over every token as it
+  is sampled (`vllm.stream_interval = 1`, as before that option; the ratios `adapter_over_adapter_each_token` and
+  `server_vllm_over_server_vllm_each_token` are what the interval gained).
 
 Each side warms up once per batch size, then `--repeats` timed runs; the best tokens/s is reported, with every run's.
 Ratios per batch size: `adapter_over_vllm_offline`, `server_vllm_over_vllm_offline`, `server_vllm_over_embedded`
@@ -37,23 +40,29 @@ import argparse
 import asyncio
 import cProfile
 import json
+import signal
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 from report import add_smoke_flag, emit, not_run  # benchmarks/report.py
-from sides import cpu_delta, cpu_snapshot, inference_server, profile_top, run_side, token_route_batch
+from sides import cpu_delta, cpu_snapshot, inference_server, profile_top, pyspy_top, run_side, token_route_batch
 
 HERE = Path(__file__).resolve().parent
-SIDES = ("vllm-offline", "adapter", "server-vllm", "server-embedded", "embedded", "adapter-detokenize")
-VLLM_SIDES = ("vllm-offline", "adapter", "server-vllm", "adapter-detokenize")
+SIDES = ("vllm-offline", "adapter", "server-vllm", "server-embedded", "embedded", "adapter-detokenize",
+         "adapter-each-token", "server-vllm-each-token")
+VLLM_SIDES = ("vllm-offline", "adapter", "server-vllm", "adapter-detokenize", "adapter-each-token",
+              "server-vllm-each-token")
 RATIOS = {"adapter_over_vllm_offline": ("adapter", "vllm-offline"),
           "adapter_over_adapter_detokenize": ("adapter", "adapter-detokenize"),
           "server_vllm_over_vllm_offline": ("server-vllm", "vllm-offline"),
           "server_vllm_over_embedded": ("server-vllm", "server-embedded"),
           "server_vllm_over_adapter": ("server-vllm", "adapter"),
-          "server_embedded_over_embedded": ("server-embedded", "embedded")}
+          "server_embedded_over_embedded": ("server-embedded", "embedded"),
+          "adapter_over_adapter_each_token": ("adapter", "adapter-each-token"),
+          "server_vllm_over_server_vllm_each_token": ("server-vllm", "server-vllm-each-token")}
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -67,16 +76,18 @@ def max_model_len(args: argparse.Namespace) -> int:
     return max(1024, 32 + args.new_tokens + 8)
 
 
-def adapter_engine(model_dir: Path, args: argparse.Namespace, detokenize: bool = False):
+def adapter_engine(model_dir: Path, args: argparse.Namespace, detokenize: bool = False, each_token: bool = False):
     """primerl's vLLM adapter as the server builds it (not started); `detokenize`: vLLM decodes every reply's text
-    too, as the adapter did before `vllm.detokenize` (side `adapter-detokenize`)."""
+    too, as the adapter did before `vllm.detokenize` (side `adapter-detokenize`); `each_token`: vLLM hands over
+    every token as it is sampled (`vllm.stream_interval = 1`, as before the option; side `adapter-each-token`)."""
     from primerl.config.common import ModelConfig
     from primerl.config.inference import VLLMSection
     from primerl.inference.engines.vllm import VLLMEngine
 
     return VLLMEngine(ModelConfig(name=str(model_dir), dtype="bfloat16"), "bench", max_model_len=max_model_len(args),
                       max_batch_size=max(args.batches), options=VLLMSection(
-                          gpu_memory_utilization=args.gpu_memory_utilization, detokenize=detokenize))
+                          gpu_memory_utilization=args.gpu_memory_utilization, detokenize=detokenize,
+                          **({"stream_interval": 1} if each_token else {})))
 
 
 def timed(args: argparse.Namespace, batch: int, run, pid: int | None = None) -> dict:
@@ -137,7 +148,8 @@ def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
     from engine import engine_run  # benchmarks/engine.py
 
     if kind.startswith("vllm"):
-        engine = adapter_engine(model_dir, args, detokenize=kind == "vllm-detokenize")
+        engine = adapter_engine(model_dir, args, detokenize=kind == "vllm-detokenize",
+                                each_token=kind == "vllm-each-token")
     else:
         from primerl.inference.engines.hf import HFEngine
 
@@ -171,11 +183,13 @@ def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
     return result
 
 
-def server_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
-    """`primerl inference --engine kind`, the batch through its token route; the server's CPU seconds."""
+def server_side(args: argparse.Namespace, model_dir: Path, kind: str, each_token: bool = False) -> dict:
+    """`primerl inference --engine kind`, the batch through its token route; the server's CPU seconds. `each_token`:
+    vLLM hands over every token as it is sampled (`--vllm.stream_interval 1`)."""
     flags = ["--engine", kind, "--max-batch-size", str(max(args.batches)), "--max-model-len", str(max_model_len(args))]
     if kind == "vllm":
         flags += ["--vllm.gpu_memory_utilization", str(args.gpu_memory_utilization)]
+        flags += ["--vllm.stream_interval", "1"] if each_token else []
     elif args.smoke:
         flags += ["--device", "cpu", "--model.dtype", "float32", "--threads", "1"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -189,10 +203,38 @@ def server_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
                     result["batches"][str(batch)] = timed(
                         args, batch, lambda p: loop.run_until_complete(token_route_batch(base_url, p, args.new_tokens)),
                         pid=pid)
+                if args.py_spy:
+                    result["py_spy"] = server_pyspy(args, pid, Path(tmp) / "server.txt",
+                                                    lambda p: loop.run_until_complete(
+                                                        token_route_batch(base_url, p, args.new_tokens)))
             finally:
                 loop.close()
         result["server_log_tail"] = log.read_text()[-800:]
     return result
+
+
+def server_pyspy(args: argparse.Namespace, pid: int, raw: Path, run) -> dict:
+    """py-spy (every thread, 200 samples/s, the process not stopped) on the server through one more batch of the
+    largest size; its frames summarized by sides.pyspy_top."""
+    from engine import make_prompts  # benchmarks/engine.py
+
+    batch = max(args.batches)
+    prompts = make_prompts(batch, args.vocab_size)
+    spy = subprocess.Popen([args.py_spy, "record", "-p", str(pid), "-r", "200", "-f", "raw", "--threads",
+                            "--nonblocking", "-o", str(raw)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
+    time.sleep(1.0)  # py-spy attached before the batch starts
+    seconds = run(prompts)
+    spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    try:
+        _, err = spy.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        spy.kill()
+        _, err = spy.communicate()
+    if not raw.is_file():
+        return {"error": f"py-spy wrote nothing (exit {spy.returncode}): {err[-400:]}"}
+    return {"batch": batch, "tok_s_under_py_spy": round(batch * args.new_tokens / seconds, 1),
+            **pyspy_top(raw.read_text())}
 
 
 def side_main(args: argparse.Namespace) -> int:
@@ -204,11 +246,13 @@ def side_main(args: argparse.Namespace) -> int:
     args.device = "cpu" if args.smoke else "cuda"
     if args.side == "vllm-offline":
         result = offline_side(args, args.model_dir)
-    elif args.side in ("adapter", "adapter-detokenize", "embedded"):
+    elif args.side in ("adapter", "adapter-detokenize", "adapter-each-token", "embedded"):
         result = engine_side(args, args.model_dir, {"adapter": "vllm", "adapter-detokenize": "vllm-detokenize",
+                                                    "adapter-each-token": "vllm-each-token",
                                                     "embedded": "hf"}[args.side])
     else:
-        result = server_side(args, args.model_dir, args.side.removeprefix("server-").replace("embedded", "hf"))
+        result = server_side(args, args.model_dir, args.side.removeprefix("server-").replace("embedded", "hf")
+                             .replace("vllm-each-token", "vllm", 1), each_token=args.side.endswith("each-token"))
     result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if args.side in VLLM_SIDES:
         import vllm
@@ -241,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--side-timeout-s", type=float, default=150.0, help="limit of each side's process")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share, every vLLM side")
     parser.add_argument("--profile", action="store_true", help="cProfile one more adapter (and embedded) run")
+    parser.add_argument("--py-spy", help="py-spy's executable: record each server side through one more batch of "
+                        "the largest size")
     parser.add_argument("--work-dir", type=Path, help="where the random model is made (default: a temporary one)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in this process
     parser.add_argument("--out", type=Path, help="also write the JSON here (keeping other sides of the same settings)")
@@ -272,7 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             command = [sys.executable, __file__, "--side", side, "--model-dir", str(model_dir),
                        "--batches", ",".join(map(str, args.batches)), "--new-tokens", str(args.new_tokens),
                        "--repeats", str(args.repeats), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
-                       *(["--profile"] if args.profile else []), *(["--smoke"] if args.smoke else [])]
+                       *(["--profile"] if args.profile else []), *(["--smoke"] if args.smoke else []),
+                       *(["--py-spy", args.py_spy] if args.py_spy else [])]
             print(f"=== side {side}", file=sys.stderr, flush=True)
             result["sides"][side] = {**run_side(command, args.side_timeout_s), "measured_at": round(time.time())}
             result["ratios"] = ratios(result["sides"], args.batches)

@@ -45,10 +45,11 @@ Call = tuple[str, tuple, dict]
 
 def declares(cls: type, name: str) -> bool:
     """Whether instances of `cls` have attribute `name`: a class attribute, a dataclass field, or one an `__init__`
-    of its classes assigns."""
+    of its classes assigns (read through decorators that wrap it)."""
     if hasattr(cls, name) or (dataclasses.is_dataclass(cls) and name in {f.name for f in dataclasses.fields(cls)}):
         return True
-    inits = (getattr(vars(klass).get("__init__"), "__code__", None) for klass in cls.__mro__)
+    inits = (getattr(inspect.unwrap(vars(klass)["__init__"]), "__code__", None)  # under a decorator's wrapper
+             for klass in cls.__mro__ if "__init__" in vars(klass))
     return any(code is not None and name in code.co_names for code in inits)
 
 
@@ -91,6 +92,12 @@ class Standin:
         missing = [name for name in attributes if not declares(cls, name)]
         assert not missing, f"{cls.__qualname__} has no attribute {missing}"
         self._cls, self._calls, self._results, self._attributes = cls, calls, results or {}, attributes
+
+    def give(self, **attributes: Any) -> None:
+        """More attributes (each must exist on the real class)."""
+        missing = [name for name in attributes if not declares(self._cls, name)]
+        assert not missing, f"{self._cls.__qualname__} has no attribute {missing}"
+        self._attributes.update(attributes)
 
     def __getattr__(self, name: str) -> Any:
         if name in self._attributes:
@@ -155,6 +162,7 @@ def start_engine(api, calls, rpc_results, outputs, tiny_model_dir, monkeypatch):
     AsyncLLM whose model config says max_model_len 64 and float32."""
     from transformers import AutoConfig
     from vllm.config import ModelConfig as VLLMModelConfig
+    from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.worker.gpu_worker import Worker
 
     def collective_rpc(method: str, timeout: float | None = None, args: tuple = (), kwargs: dict | None = None):
@@ -164,7 +172,8 @@ def start_engine(api, calls, rpc_results, outputs, tiny_model_dir, monkeypatch):
     model_config = Standin(VLLMModelConfig, calls, max_model_len=64, dtype="torch.float32",
                            hf_config=AutoConfig.from_pretrained(tiny_model_dir))
     llm = Standin(api.AsyncLLM, calls, {"collective_rpc": collective_rpc, "generate": lambda *a, **k: outputs},
-                  model_config=model_config, errored=False)
+                  model_config=model_config, errored=False, output_handler=None,  # no request yet: no handler
+                  output_processor=Standin(OutputProcessor, calls, request_states={}))
     llm_class = Standin(api.AsyncLLM, calls, {"from_engine_args": lambda *a, **k: llm})
     monkeypatch.setattr(adapter, "vllm_api", lambda: api._replace(AsyncLLM=llm_class))
     clashes = [name for name in dir(WorkerExtension) if not name.startswith("__") and hasattr(Worker, name)]
@@ -272,6 +281,54 @@ def test_weight_updates_bind(start_engine, calls, tiny_model_dir, tmp_path):
     assert names(calls)[1:] == [n.format("primerl_load_weights") for n in apply] + [
         n.format("primerl_load_shared") for n in apply]
     assert engine.policy_version == 2
+
+
+def test_tokens_sampled_before_an_update_keep_their_version_though_handed_over_after_it(api, start_engine, calls,
+                                                                                        outputs, tiny_model_dir):
+    """vLLM hands a request its tokens every `stream_interval` steps, so when a weight update pauses the engine some
+    tokens sampled under the old weights are still held back in its output handler's request state. The update
+    queues a marker behind what the engine sent before the pause completed, waits for the handler to take it, and
+    starts the new version at the count the request state then holds: tokens 7 and 8 (handed over after the update)
+    keep version 0, token 9 on has version 1."""
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.engine.core_client import AsyncMPClient
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+    from vllm.v1.engine.output_processor import RequestState
+
+    engine = start_engine()
+    outputs[:] = [real_output(api, [5, 6], [-0.5, -0.5], None), real_output(api, [7, 8, 9], [-0.5] * 3, None),
+                  real_output(api, [10], [-0.5], "length")]
+    sampled = {"tokens": 4}  # 5 to 8 sampled by the pause, 5 and 6 handed to the stream
+    detokenizer = Standin(IncrementalDetokenizer, calls, {"num_output_tokens": lambda: sampled["tokens"]})
+    ids = {"external_req_id": "req-v", "request_id": "req-v-1"} if declares(RequestState, "external_req_id") \
+        else {"request_id": "req-v"}
+    engine._llm.output_processor.give(request_states={ids["request_id"]: Standin(RequestState, calls,
+                                                                                 detokenizer=detokenizer, **ids)})
+    taken: list[Any] = []
+
+    async def scenario() -> list[Any]:
+        queue: asyncio.Queue = asyncio.Queue()
+        queue.put_nowait(EngineCoreOutputs())  # an output of the engine still queued when the pause completed
+
+        async def handler() -> None:  # vLLM's output handler: each queued output processed in turn
+            while True:
+                taken.append(await queue.get())
+                await asyncio.sleep(0.01)
+
+        task = asyncio.create_task(handler())
+        engine._llm.give(output_handler=task, engine_core=Standin(AsyncMPClient, calls, outputs_queue=queue))
+        stream = engine.generate([1, 2, 3], SamplingParams(max_tokens=8), "req-v")
+        events = [await anext(stream), await anext(stream)]
+        await engine.update_weights(tiny_model_dir, step=1)
+        assert len(taken) == 2 and queue.empty(), "the update read the counts before the handler took its queue"
+        events += [event async for event in stream]
+        task.cancel()
+        return events
+
+    events = asyncio.run(scenario())
+    assert [(e.token_id, e.policy_version) for e in events[:-1]] == [(5, 0), (6, 0), (7, 0), (8, 0), (9, 1), (10, 1)]
+    assert events[-1] == Finish("length", (0, 1), 3, 6, None)
+    assert all(isinstance(output, EngineCoreOutputs) and not output.outputs for output in taken)
 
 
 def test_a_broadcast_transfer_binds(start_engine, calls):

@@ -34,6 +34,13 @@ class VLLMSection(Section):
         "own tokenizer, so this is off and turned on only for a request with stop strings (which vLLM matches on "
         "text)",
     )
+    stream_interval: int = Field(
+        16,
+        ge=1,
+        description="vLLM hands this process a request's tokens every N sampled tokens (and at its end), not after "
+        "every decode step: a batch of 256 then costs this process's output handling 1/N of the wake-ups; each token "
+        "keeps the policy version that sampled it either way; 1 = every token as it is sampled",
+    )
 
 
 class BroadcastReceiverSection(Section):

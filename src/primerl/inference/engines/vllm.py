@@ -20,9 +20,16 @@ How the contract maps onto vLLM:
   with `reset_running_requests=True`: vLLM preempts the requests in flight (they recompute their KV under the new
   weights when they resume) so that no cached block computed by the old weights is reused; a reset vLLM reports as
   failed fails the update. Then the policy version moves and generation resumes.
-- policy versions: each token is stamped with the version live when its output reaches this process. Outputs of the
-  old weights are all sent before the pause completes and arrive while the new weights load, so the stamp changes
-  at the update's boundary (a token held back longer than the load would carry the new version).
+- output batching: vLLM runs with `stream_interval = vllm.stream_interval`, so its output handler (in this
+  process, on the server's event loop) hands each request its tokens every N decode steps instead of after every
+  step; at batch 256 the per-step wake-ups of every request's stream were what held the adapter below vLLM's own
+  offline rate (benchmarks/NOTES.md).
+- policy versions: each request keeps the runs of its tokens by version, as (first token index, version). A weight
+  update, once the pause has completed, reads how many tokens each request in flight has sampled: every output the
+  engine sent before its pause completed is already queued for vLLM's output handler (one socket, in order), so a
+  marker queued behind them and consumed by the handler means all of them were processed. The new version starts
+  at that count, whether those tokens had been handed to the stream yet or not (with a stream interval, up to N - 1
+  of them are held back).
 - sleep mode (`vllm.sleep_level = 1`, for a trainer on the same GPU; vLLM 0.26 and newer): `pause` puts vLLM to
   sleep (weights offloaded to CPU memory, KV cache freed), `resume` wakes it; a weight update while asleep wakes the
   weights alone first (generation stays paused until the KV cache wakes at `resume`).
@@ -117,6 +124,7 @@ class VLLMEngine(Engine):
         self._paused_by_admin = False  # an admin pause outlives a weight update
         self._sleeping: set[str] = set()  # sleep-mode tags released by an admin pause: "weights", "kv_cache"
         self._update_lock = asyncio.Lock()  # one pause-load-reset-resume at a time
+        self._segments: dict[str, list[tuple[int, int]]] = {}  # request id -> (first token index, version) runs
         self._receiver_task: asyncio.Task | None = None
 
     def engine_args(self, path: Path) -> dict[str, Any]:
@@ -134,6 +142,7 @@ class VLLMEngine(Engine):
             "enable_sleep_mode": self.options.sleep_level > 0,
             "seed": self.seed,
             "logprobs_mode": "processed_logprobs",
+            "stream_interval": self.options.stream_interval,
             "worker_extension_cls": f"{WorkerExtension.__module__}.{WorkerExtension.__qualname__}",
             **vllm_compat.engine_overrides(self.vllm_version),
         }
@@ -188,24 +197,28 @@ class VLLMEngine(Engine):
         )
         first = last = None
         completion = 0
+        segments = self._segments[request_id] = [(0, self.policy_version)]  # a weight update appends to it
+        run = 0  # the run of `segments` the next token falls in
         outputs = self._llm.generate(api.TokensPrompt(prompt_token_ids=prompt_ids), vllm_params, request_id)
         finished = False
         try:
             async for output in outputs:
                 sample = output.outputs[0]
-                version = self.policy_version
                 logprobs = sampled_logprobs(sample.token_ids, sample.logprobs, completion, request_id)
                 for token_id, logprob in zip(sample.token_ids, logprobs, strict=True):
-                    first = version if first is None else first
-                    last = version
+                    while run + 1 < len(segments) and segments[run + 1][0] <= completion:
+                        run += 1
+                    last = segments[run][1]
+                    first = last if first is None else first
                     completion += 1
-                    yield TokenEvent(token_id, logprob, version)
+                    yield TokenEvent(token_id, logprob, last)
                 if output.finished:
                     finished = True
                     reason = sample.finish_reason if sample.finish_reason in ("stop", "length") else "abort"
-                    versions = (first, last) if first is not None else (version, version)
+                    versions = (first, last) if first is not None else (self.policy_version,) * 2
                     yield Finish(reason, versions, len(prompt_ids), completion, sample.stop_reason)
         finally:
+            self._segments.pop(request_id, None)
             await outputs.aclose()
             if not finished and self._llm is not None:  # closed early (consumer gone) or failed: free the slot
                 await self._llm.abort(request_id)
@@ -255,13 +268,45 @@ class VLLMEngine(Engine):
             await self._wake(["weights"])  # the KV cache stays released until resume
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
+                sampled = await self._sampled_counts()
                 results = await self._llm.collective_rpc(method, args=args)
                 await self._reset_prefix_cache()
-                self.policy_version = step
+                self._move_version(step, sampled)
             finally:
                 if not self._paused_by_admin:
                     await self._llm.resume_generation()
             return results
+
+    async def _sampled_counts(self, timeout_s: float = 30.0) -> dict[str, int]:
+        """Tokens each request sampled before the pause that just completed (request id -> count). The engine sent
+        their outputs before it answered the pause, on the one socket vLLM's reader takes in order into the output
+        handler's queue; an empty output queued behind them is taken by the handler only once it has processed
+        everything before it (it runs each output to the end before taking the next), and the handler's request
+        states then hold every sampled token, whether handed to the stream yet or not."""
+        handler = self._llm.output_handler  # started by the first request; nothing to wait for before it
+        if handler is not None and not handler.done():
+            from vllm.v1.engine import EngineCoreOutputs
+
+            queue = self._llm.engine_core.outputs_queue
+            queue.put_nowait(EngineCoreOutputs())
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while not queue.empty():
+                if asyncio.get_running_loop().time() > deadline:
+                    raise RuntimeError(f"vLLM's output handler did not take its queue in {timeout_s:.0f} s")
+                await asyncio.sleep(0.001)
+        return {getattr(state, "external_req_id", None) or state.request_id: state.detokenizer.num_output_tokens()
+                for state in list(self._llm.output_processor.request_states.values())}
+
+    def _move_version(self, step: int, sampled: dict[str, int]) -> None:
+        """The policy version becomes `step`: every request in flight samples its tokens from the `sampled[id]`th
+        on (0 for one not started) under it."""
+        for request_id, segments in self._segments.items():
+            start = sampled.get(request_id, 0)
+            if segments[-1][0] >= start:  # nothing sampled under the last version: it never applied
+                segments[-1] = (segments[-1][0], step)
+            else:
+                segments.append((start, step))
+        self.policy_version = step
 
     async def _reset_prefix_cache(self) -> None:
         """Drop every cached KV block computed by the old weights, preempting the requests in flight (they recompute
@@ -309,11 +354,12 @@ class VLLMEngine(Engine):
             await self._wake(["weights"])
             await self._llm.pause_generation(mode="keep", clear_cache=False)
             try:
+                sampled = await self._sampled_counts()
                 results = await self._llm.collective_rpc("primerl_broadcast_receive", args=(transfer.to_dict(),))
                 errors = [r["error"] for r in results if r["error"]]
                 if not errors:
                     await self._reset_prefix_cache()
-                    self.policy_version = transfer.step
+                    self._move_version(transfer.step, sampled)
             except Exception as e:  # noqa: BLE001 - no confirmation: the trainer times out and falls back
                 errors = [f"{type(e).__name__}: {e}"]
             finally:
