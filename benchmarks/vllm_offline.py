@@ -198,15 +198,15 @@ def server_side(args: argparse.Namespace, model_dir: Path, kind: str, each_token
         with inference_server(model_dir, log, *flags) as (base_url, pid):
             result: dict = {"start_s": round(time.perf_counter() - started, 1), "batches": {}}
             loop = asyncio.new_event_loop()
+
+            def run(prompts: list[list[int]]) -> float:
+                return loop.run_until_complete(token_route_batch(base_url, prompts, args.new_tokens))
+
             try:
                 for batch in args.batches:
-                    result["batches"][str(batch)] = timed(
-                        args, batch, lambda p: loop.run_until_complete(token_route_batch(base_url, p, args.new_tokens)),
-                        pid=pid)
+                    result["batches"][str(batch)] = timed(args, batch, run, pid=pid)
                 if args.py_spy:
-                    result["py_spy"] = server_pyspy(args, pid, Path(tmp) / "server.txt",
-                                                    lambda p: loop.run_until_complete(
-                                                        token_route_batch(base_url, p, args.new_tokens)))
+                    result["py_spy"] = server_pyspy(args, pid, Path(tmp) / "server.txt", run)
             finally:
                 loop.close()
         result["server_log_tail"] = log.read_text()[-800:]
@@ -251,8 +251,8 @@ def side_main(args: argparse.Namespace) -> int:
                                                     "adapter-each-token": "vllm-each-token",
                                                     "embedded": "hf"}[args.side])
     else:
-        result = server_side(args, args.model_dir, args.side.removeprefix("server-").replace("embedded", "hf")
-                             .replace("vllm-each-token", "vllm", 1), each_token=args.side.endswith("each-token"))
+        result = server_side(args, args.model_dir, "hf" if args.side == "server-embedded" else "vllm",
+                             each_token=args.side == "server-vllm-each-token")
     result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if args.side in VLLM_SIDES:
         import vllm

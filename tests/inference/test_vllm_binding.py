@@ -89,9 +89,8 @@ class Standin:
     exist on the real class and be given."""
 
     def __init__(self, cls: type, calls: list[Call], results: dict[str, Callable] | None = None, **attributes: Any):
-        missing = [name for name in attributes if not declares(cls, name)]
-        assert not missing, f"{cls.__qualname__} has no attribute {missing}"
-        self._cls, self._calls, self._results, self._attributes = cls, calls, results or {}, attributes
+        self._cls, self._calls, self._results, self._attributes = cls, calls, results or {}, {}
+        self.give(**attributes)
 
     def give(self, **attributes: Any) -> None:
         """More attributes (each must exist on the real class)."""
