@@ -276,7 +276,7 @@ def test_a_teacher_is_a_second_server_on_the_inference_devices_that_the_orchestr
     assert "teacher" not in plan(tmp_path / "plain", num_gpus)
 
 
-def test_on_the_cpu_the_trainer_warms_up_on_a_row_of_seq_len_before_its_first_batch(tmp_path):
+def test_the_trainer_warms_up_on_rows_of_seq_len_before_its_first_batch_unless_vllm_shares_its_gpu(tmp_path):
     def trainer_config(where):
         return load(TrainerConfig, ["@", str(where / "run" / "config" / "trainer.toml")])[0]
 
@@ -285,7 +285,13 @@ def test_on_the_cpu_the_trainer_warms_up_on_a_row_of_seq_len_before_its_first_ba
     plan(tmp_path / "set", 0, "--seq_len=320", "--trainer.train.warm_up_tokens=0")
     assert trainer_config(tmp_path / "set").train.warm_up_tokens == 0  # the user's setting stands
     plan(tmp_path / "gpus", 2, "--seq_len=320")
-    assert trainer_config(tmp_path / "gpus").train.warm_up_tokens == 0
+    assert trainer_config(tmp_path / "gpus").train.warm_up_tokens == 320
+    plan(tmp_path / "shared", 1, "--seq_len=320")  # the embedded engine on the trainer's GPU: it grows as it needs
+    assert trainer_config(tmp_path / "shared").train.warm_up_tokens == 320
+    plan(tmp_path / "vllm", 2, "--seq_len=320", "--inference.engine=vllm")  # vLLM on a GPU of its own
+    assert trainer_config(tmp_path / "vllm").train.warm_up_tokens == 320
+    plan(tmp_path / "beside", 1, "--seq_len=320", "--inference.engine=vllm")  # vLLM's start measures the free memory
+    assert trainer_config(tmp_path / "beside").train.warm_up_tokens == 0
     # a recipe's stage reaches `rl` as a config file written by to_toml: the unset value must stay unset there
     written, _ = load(RLConfig, ["--model.name=tiny", "--seq_len=320", f"--output_dir={tmp_path / 'file' / 'run'}"])
     (tmp_path / "file").mkdir()

@@ -88,10 +88,10 @@ def test_warm_up_before_the_first_batch_changes_no_step(tmp_path, caplog):
     plain, warmed = tmp_path / "plain", tmp_path / "warmed"
     for run_dir in (plain, warmed):
         write_fixed_batches(run_dir, range(2))
-    train(config(plain, "--train.max_steps", "2"))
+    train(config(plain, "--train.max_steps", "2", "--train.micro_batch_rows", "2"))
     with caplog.at_level("INFO", logger="primerl.trainer.rl"):
-        train(config(warmed, "--train.max_steps", "2", "--train.warm_up_tokens", "48"))
-    assert "warmed up on a dummy row of 48 tokens" in caplog.text
+        train(config(warmed, "--train.max_steps", "2", "--train.micro_batch_rows", "2", "--train.warm_up_tokens", "48"))
+    assert "warmed up on 2 dummy row(s) of 48 tokens" in caplog.text  # a step's micro-batch: its kernels' shapes
     expected, got = read_metrics(plain), read_metrics(warmed)
     for step in (1, 2):
         assert [got[step][k] for k in ("loss", "grad_norm", "entropy")] == [

@@ -375,8 +375,10 @@ class RLConfig(ProcessConfig):
                 inference["threads"] = engine_threads
             if trainer["train"]["threads"] is None:
                 trainer["train"]["threads"] = trainer_threads
-        if trainer["train"]["warm_up_tokens"] is None:  # the CPU trainer waits for its first batch: warm up meanwhile
-            trainer["train"]["warm_up_tokens"] = self.seq_len if not devices.inference and not devices.trainer else 0
+        if trainer["train"]["warm_up_tokens"] is None:  # the trainer waits for its first batch: warm up meanwhile,
+            # except beside vLLM on its GPU, whose start measures the memory left free while the warm-up takes some
+            beside_vllm = devices.colocated and inference["engine"] == "vllm"
+            trainer["train"]["warm_up_tokens"] = 0 if beside_vllm else self.seq_len
         if self.deterministic:
             determinism.apply(inference, orchestrator, trainer)
         self._share_weight_transfer(inference, trainer, broadcast_port)

@@ -55,9 +55,10 @@ class TrainingConfig(Section):
         "copies every weight to the host; `rl --deterministic` turns it on)"
     )
     warm_up_tokens: int | None = Field(
-        None, ge=0, description="RL on the CPU: before its first batch, one forward and backward over a dummy row of "
-        "this many tokens whose gradients are dropped, so that the first step finds its memory already mapped "
-        "(0 or None: none; `rl` makes None seq_len on CPU-only runs, 0 elsewhere)",
+        None, ge=0, description="RL: before its first batch, one forward and backward over a micro-batch of dummy "
+        "rows of this many tokens whose gradients are dropped, so that the first step finds its memory mapped and, on "
+        "a GPU, its kernels compiled (0 or None: none; `rl` makes None seq_len, or 0 where vLLM shares the "
+        "trainer's GPU)",
     )
     peak_flops: float | None = Field(
         None, gt=0, description="peak FLOP/s of one device for MFU; None = known table by device name (bf16 dense)"

@@ -248,8 +248,10 @@ class Trainer:
 
     def warm_up(self, batch: list[MicroBatch], loss: StepLoss) -> None:
         """Forward and backward over `batch`, then drop the gradients: the weights and the optimizer are untouched.
-        On the CPU the first step's one-time work (mapping fresh memory for the activations and gradients, which a
-        virtual machine can make slow, and setting up the kernels) is then done before the first batch comes."""
+        The first step's one-time work is then done before the first batch comes: on the CPU mapping fresh memory for
+        the activations and gradients (which a virtual machine can make slow) and setting up the kernels, on a GPU
+        compiling the fused log-prob kernels (from the compile cache after the first run) and the allocator's
+        first blocks."""
         for mb in batch:
             loss(self.forward(mb, 1.0), mb).loss_sum.backward()
         self.optimizer.zero_grad(set_to_none=True)

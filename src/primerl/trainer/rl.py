@@ -22,7 +22,15 @@ from primerl.config import config_from_argv
 from primerl.config.trainer import LossConfig, ReferenceConfig, RolloutDataConfig, TrainerConfig
 from primerl.cpu import keep_freed_memory
 from primerl.storage import storage_failure
-from primerl.trainer.core import MicroBatch, StepLoss, Trainer, TrainerParts, micro_batches, setup_logging
+from primerl.trainer.core import (
+    MicroBatch,
+    StepLoss,
+    Trainer,
+    TrainerParts,
+    auto_micro_batch_rows,
+    micro_batches,
+    setup_logging,
+)
 from primerl.trainer.dist import all_reduce_sum, wants_cuda
 from primerl.trainer.loss import (
     LossInputs,
@@ -64,13 +72,18 @@ def fake_rows(cfg: RolloutDataConfig, vocab_size: int, step: int, seed: int, wor
 
 
 def warm_up(trainer: Trainer, step_loss: StepLoss, tokens: int, micro_batch_rows: int | None) -> None:
-    """`Trainer.warm_up` on one dummy sample of `tokens` tokens (half of it completion, advantage 0), logged."""
+    """`Trainer.warm_up` on one micro-batch of dummy rows of `tokens` tokens (half of each completion, advantage 0),
+    as many rows as a step's micro-batch holds: on a GPU the fused log-prob kernels are compiled for the shape of a
+    step's full chunks (one row would be a smaller shape), on the CPU that is one row. Logged."""
     started = time.perf_counter()
+    rows = micro_batch_rows or auto_micro_batch_rows(tokens, trainer.device)
     ids = [0] * tokens
     mask = [0] * (tokens // 2) + [1] * (tokens - tokens // 2)
-    packed = pack_samples([Sample(ids, mask, [0.0] * tokens, 0.0)], tokens)
-    trainer.warm_up(micro_batches(packed.arrays, micro_batch_rows, trainer.device), step_loss)
-    log.info("warmed up on a dummy row of %d tokens in %.1fs (before the first batch)", tokens,
+    packed = pack_samples([Sample(ids, mask, [0.0] * tokens, 0.0) for _ in range(rows)], tokens)
+    trainer.warm_up(micro_batches(packed.arrays, rows, trainer.device), step_loss)
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize(trainer.device)
+    log.info("warmed up on %d dummy row(s) of %d tokens in %.1fs (before the first batch)", rows, tokens,
              time.perf_counter() - started)
 
 
@@ -127,7 +140,7 @@ def train(cfg: TrainerConfig) -> None:
     try:
         step, _ = trainer.resume()
         allocate_state(trainer.optimizer)  # a fresh run's optimizer state, before the wait for the first batch
-        if cfg.train.warm_up_tokens and not cfg.data.fake and trainer.device.type == "cpu":
+        if cfg.train.warm_up_tokens and not cfg.data.fake:
             warm_up(trainer, step_loss, cfg.train.warm_up_tokens, cfg.train.micro_batch_rows)
         while cfg.train.max_steps is None or step < cfg.train.max_steps:
             if cfg.data.fake:
