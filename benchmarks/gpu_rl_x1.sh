@@ -27,8 +27,11 @@
 #                                                # LLM.generate, primerl's adapter in-process, the server with vLLM
 #                                                # and with the embedded engine (OUT/vllm_offline.json; sides measured
 #                                                # on an earlier call of a warm machine are kept). OFFLINE_SIDES,
-#                                                # OFFLINE_BATCHES (default 64,256), SIDE_TIMEOUT_S (default 120);
-#                                                # with .carry/pyspy's wheel, py-spy on each server side
+#                                                # OFFLINE_BATCHES (default 64,256), OFFLINE_REPEATS (default 5,
+#                                                # the median reported), SIDE_TIMEOUT_S (default 120),
+#                                                # OFFLINE_PROFILE=1 (cProfile of the adapter sides); with
+#                                                # .carry/pyspy's wheel, py-spy on each side. Six sides take about
+#                                                # two calls: name three in each
 #   bash benchmarks/gpu_rl_x1.sh p1-cell OUT     # benchmarks/p1_gpu_matrix.py: one cell of the P1-GPU matrix,
 #                                                # CELL=ARCH/TOKENS/PROMPTSxGROUP (e.g. qwen3-0.6b/512/64x8), CELL_SIDES
 #                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S (default 240),
@@ -241,7 +244,8 @@ vllm-offline)  # the whole stage fits a 550 s call once vllm-part extracted the 
     fi
     PYTHONPATH="$vllm_site:$PYTHONPATH" run vllm_offline 525 python3 benchmarks/vllm_offline.py \
         --sides "${OFFLINE_SIDES:-vllm-offline,adapter,adapter-detokenize,server-vllm,server-embedded}" \
-        --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" --profile \
+        --batches "${OFFLINE_BATCHES:-64,256}" --side-timeout-s "${SIDE_TIMEOUT_S:-120}" \
+        --repeats "${OFFLINE_REPEATS:-5}" ${OFFLINE_PROFILE:+--profile} \
         "${spy[@]}" --work-dir /tmp/primerl-vllm-offline --out /tmp/primerl-vllm/vllm_offline.json
     cp /tmp/primerl-vllm/vllm_offline.json "$out/"
     ;;

@@ -8,7 +8,8 @@ through each side, each side in its own process with a time limit (`--side-timeo
   (`VLLMEngine.engine_args`) and the same sampling parameters (the sampled token's log-prob asked); `plain_tok_s`
   is the same batch without log-probs;
 - `adapter`: primerl's vLLM adapter (`VLLMEngine`) called in this process, no HTTP; `--profile` adds one more run
-  under cProfile (its top functions by own time; the timed runs are not profiled);
+  under cProfile (its top functions by own time; the timed runs are not profiled; cProfile inflates functions
+  called often and briefly, so `--py-spy` is the one to read for shares of time);
 - `adapter-detokenize`: the same with `vllm.detokenize` on (vLLM decodes each reply's text as it streams, as the
   adapter always did before the option; `adapter_over_adapter_detokenize` is what turning it off gained);
 - `server-vllm` / `server-embedded`: `primerl inference` with the vLLM or the embedded engine, the batch sent at once
@@ -19,7 +20,10 @@ through each side, each side in its own process with a time limit (`--side-timeo
   is sampled (`vllm.stream_interval = 1`, as before that option; the ratios `adapter_over_adapter_each_token` and
   `server_vllm_over_server_vllm_each_token` are what the interval gained).
 
-Each side warms up once per batch size, then `--repeats` timed runs; the best tokens/s is reported, with every run's.
+Each side warms up once per batch size, then `--repeats` timed runs (default 5); `tok_s` is their median, with the
+best (`best_tok_s`) and every run's: one batch of 64 x 128 tokens lasts well under a second, and two runs of the same
+side have differed by 40 %. `--py-spy BIN` records each side (the server's process for the server sides, the side's
+own process for the others) through one more batch of the largest size.
 Ratios per batch size: `adapter_over_vllm_offline`, `server_vllm_over_vllm_offline`, `server_vllm_over_embedded`
 (the two servers), `server_vllm_over_adapter` and `server_embedded_over_embedded` (what HTTP and the server add).
 
@@ -40,7 +44,9 @@ import argparse
 import asyncio
 import cProfile
 import json
+import os
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,8 +99,6 @@ def adapter_engine(model_dir: Path, args: argparse.Namespace, detokenize: bool =
 def timed(args: argparse.Namespace, batch: int, run, pid: int | None = None) -> dict:
     """Warm-up, then `--repeats` timed runs of `run(prompts) -> seconds`; CPU seconds of `pid` (default: this
     process) and its descendants over the timed runs."""
-    import os
-
     from engine import make_prompts  # benchmarks/engine.py
 
     prompts = make_prompts(batch, args.vocab_size)
@@ -104,7 +108,8 @@ def timed(args: argparse.Namespace, batch: int, run, pid: int | None = None) -> 
     for _ in range(args.repeats):
         seconds = run(prompts)
         runs.append(batch * args.new_tokens / seconds)
-    out = {"tok_s": round(max(runs), 1), "runs_tok_s": [round(r, 1) for r in runs],
+    out = {"tok_s": round(statistics.median(runs), 1), "best_tok_s": round(max(runs), 1),
+           "runs_tok_s": [round(r, 1) for r in runs],
            "cpu_s": cpu_delta(before, cpu_snapshot(pid))}
     print(f"batch {batch}: {out['runs_tok_s']} tok/s", file=sys.stderr, flush=True)
     return out
@@ -137,9 +142,13 @@ def offline_side(args: argparse.Namespace, model_dir: Path) -> dict:
         batches[str(batch)] = timed(args, batch, run_with(same))
         batches[str(batch)]["detokenize_tok_s"] = timed(args, batch, run_with(text))["tok_s"]
         batches[str(batch)]["plain_tok_s"] = timed(args, batch, run_with(plain))["tok_s"]
-    return {"start_s": round(start_s, 1), "batches": batches,
-            "sampling": "logprobs=0, detokenize off (as the adapter); detokenize_tok_s: the same with vLLM's text "
-                        "decoding (its default); plain_tok_s: vLLM's defaults, no logprobs"}
+    result = {"start_s": round(start_s, 1), "batches": batches,
+              "sampling": "logprobs=0, detokenize off (as the adapter); detokenize_tok_s: the same with vLLM's text "
+                          "decoding (its default); plain_tok_s: vLLM's defaults, no logprobs"}
+    if args.py_spy:
+        with tempfile.TemporaryDirectory() as tmp:
+            result["py_spy"] = side_pyspy(args, os.getpid(), Path(tmp) / "side.txt", run_with(same))
+    return result
 
 
 def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
@@ -177,6 +186,9 @@ def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
             profile.disable()
             result["profile"] = {"batch": batch, "tok_s_under_profile": round(batch * args.new_tokens / seconds, 1),
                                  "top_by_own_time": profile_top(profile)}
+        if args.py_spy:
+            with tempfile.TemporaryDirectory() as tmp:
+                result["py_spy"] = side_pyspy(args, os.getpid(), Path(tmp) / "side.txt", run)
     finally:
         loop.run_until_complete(engine.stop())
         loop.close()
@@ -206,16 +218,16 @@ def server_side(args: argparse.Namespace, model_dir: Path, kind: str, each_token
                 for batch in args.batches:
                     result["batches"][str(batch)] = timed(args, batch, run, pid=pid)
                 if args.py_spy:
-                    result["py_spy"] = server_pyspy(args, pid, Path(tmp) / "server.txt", run)
+                    result["py_spy"] = side_pyspy(args, pid, Path(tmp) / "server.txt", run)
             finally:
                 loop.close()
         result["server_log_tail"] = log.read_text()[-800:]
     return result
 
 
-def server_pyspy(args: argparse.Namespace, pid: int, raw: Path, run) -> dict:
-    """py-spy (every thread, 200 samples/s, the process not stopped) on the server through one more batch of the
-    largest size; its frames summarized by sides.pyspy_top."""
+def side_pyspy(args: argparse.Namespace, pid: int, raw: Path, run) -> dict:
+    """py-spy (every thread, 200 samples/s, the process not stopped) on process `pid` (the server, or this side's
+    own process) through one more batch of the largest size; its frames summarized by sides.pyspy_top."""
     from engine import make_prompts  # benchmarks/engine.py
 
     batch = max(args.batches)
@@ -280,13 +292,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", default="qwen3-0.6b", help="benchmarks/engine.py's architecture for random init")
     parser.add_argument("--batches", default="64,256", help="batch sizes, comma-separated")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per batch size (after one warm-up)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per batch size (after one warm-up); "
+                        "tok_s is their median")
     parser.add_argument("--sides", default=",".join(SIDES[:4]), help=f"comma-separated, of {', '.join(SIDES)}")
     parser.add_argument("--side-timeout-s", type=float, default=150.0, help="limit of each side's process")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vLLM's share, every vLLM side")
     parser.add_argument("--profile", action="store_true", help="cProfile one more adapter (and embedded) run")
-    parser.add_argument("--py-spy", help="py-spy's executable: record each server side through one more batch of "
-                        "the largest size")
+    parser.add_argument("--py-spy", help="py-spy's executable: record each side (a server side's server) through "
+                        "one more batch of the largest size")
     parser.add_argument("--work-dir", type=Path, help="where the random model is made (default: a temporary one)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # one side, in this process
     parser.add_argument("--out", type=Path, help="also write the JSON here (keeping other sides of the same settings)")
