@@ -147,15 +147,28 @@ def _steady_rate(times: list[float], rollouts_per_step: int) -> float | None:
     return round(rollouts_per_step * (len(times) - 1) / (times[-1] - times[0]), 4)
 
 
+def rl_command(config: Path, run_dir: Path, overrides: list[str] | None = None) -> list[str]:
+    """`rl @ config` into `run_dir`, with each `KEY=VALUE` of `overrides` as `--KEY=VALUE` (rl's own flags)."""
+    return [sys.executable, "-m", "primerl.cli", "rl", "@", str(config), f"--output_dir={run_dir}",
+            *(f"--{item}" for item in overrides or [])]
+
+
+def primerl_override(item: str) -> str:
+    """argparse type of `--primerl-set`: KEY=VALUE with a dotted key (one of rl's flags without its dashes)."""
+    key, sep, _ = item.partition("=")
+    if not sep or not key or key.startswith("-") or " " in key:
+        raise argparse.ArgumentTypeError(f"{item!r}: expected KEY=VALUE, e.g. trainer.train.compile=true")
+    return item
+
+
 def run_primerl(config: Path, run_dir: Path, args: argparse.Namespace) -> dict:
     from primerl.monitor import read_metrics
 
     shutil.rmtree(run_dir, ignore_errors=True)
     started = time.time()
     try:
-        result = subprocess.run([sys.executable, "-m", "primerl.cli", "rl", "@", str(config),
-                                 f"--output_dir={run_dir}"], check=False, capture_output=True, text=True, cwd=REPO,
-                                timeout=args.side_timeout_s)
+        result = subprocess.run(rl_command(config, run_dir, args.primerl_set), check=False, capture_output=True,
+                                text=True, cwd=REPO, timeout=args.side_timeout_s)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"primerl rl did not finish within {args.side_timeout_s:.0f} s") from None
     wall = time.time() - started
@@ -305,6 +318,7 @@ def summarize(rounds: list[dict], model: str, args: argparse.Namespace) -> dict:
                    "primerl_engine_compile": args.engine_compile, "primerl_decode_steps": args.decode_steps,
                    "primerl_engine_overlap": args.engine_overlap, "primerl_engine": args.engine,
                    "primerl_backward_dtype_setting": args.backward_dtype or "auto",
+                   "primerl_overrides": args.primerl_set,
                    "trl_generation": trl_generation(args)},
     }
 
@@ -357,6 +371,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trl-micro-batch", type=int, help="the peer trains each step's rollouts in micro-batches of "
                         "at most this many rows (gradient accumulation; default: all in one, as the harness does)")
     parser.add_argument("--side-timeout-s", type=float, help="limit of each primerl and peer run (default: none)")
+    parser.add_argument("--primerl-set", action="append", default=[], type=primerl_override, metavar="KEY=VALUE",
+                        help="one more of rl's settings for primerl's runs (repeatable), e.g. "
+                        "trainer.train.compile=true; recorded in the result")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     add_smoke_flag(parser)
     args = parser.parse_args(argv)

@@ -36,7 +36,9 @@
 #                                                # CELL=ARCH/TOKENS/PROMPTSxGROUP (e.g. qwen3-0.6b/512/64x8), CELL_SIDES
 #                                                # (default all four), CELL_STEPS, SIDE_TIMEOUT_S (default 240),
 #                                                # TRL_VLLM_MEMORY, TRL_VLLM_SLEEP, TRL_MICRO_BATCH (the
-#                                                # peer's rows per backward, default 16); adds the cell to
+#                                                # peer's rows per backward, default 16), CELL_PRIMERL_SET
+#                                                # ("KEY=VALUE ...": rl settings for primerl's sides, measured
+#                                                # as the cell's variants); adds the cell to
 #                                                # OUT/p1_gpu_matrix.json (kept in /tmp across calls)
 #
 # What travels (ignored folders, named in the call's carry list), made here beforehand:
@@ -262,6 +264,7 @@ p1-cell)  # one cell of the P1-GPU matrix; the random Qwen3 models take .carry/q
         --trl-script "$peer" --trl-python python3 --trl-pythonpath "$vllm_site:$trl" --tokenizer-dir "$tok" \
         --side-timeout-s "${SIDE_TIMEOUT_S:-240}" ${TRL_VLLM_MEMORY:+--trl-vllm-memory "$TRL_VLLM_MEMORY"} \
         ${TRL_VLLM_SLEEP:+--trl-vllm-sleep} ${TRL_MICRO_BATCH:+--trl-micro-batch "$TRL_MICRO_BATCH"} \
+        $(for item in ${CELL_PRIMERL_SET:-}; do printf -- '--primerl-set=%s ' "$item"; done) \
         --work-dir /tmp/primerl-matrix/runs \
         --out /tmp/primerl-matrix/p1_gpu_matrix.json
     cp /tmp/primerl-matrix/p1_gpu_matrix.json "$out/"

@@ -20,6 +20,10 @@ ran on the same card.
         --trl-pythonpath SITE --sides primerl-vllm,trl-vllm --out OUT.json
     uv run python benchmarks/p1_gpu_matrix.py --smoke --out /tmp/m.json   # CPU: primerl-embedded, tiny model
 
+`--primerl-set KEY=VALUE` (repeatable) adds one of rl's settings to primerl's sides, e.g.
+`trainer.train.compile=true` or `trainer.train.warm_up_tokens=0`: such a run is an A/B against the side as
+configured, so it goes under the cell's `variants` with its settings and leaves the side and the ratios alone.
+
 `--smoke` runs the cell tiny/4/1x2 on the CPU (the registry's tiny model, 2 steps, primerl with the embedded
 engine); the vLLM and TRL sides are named under "not_run" with the reason.
 """
@@ -34,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from e2e_vs_trl import primerl_override  # benchmarks/e2e_vs_trl.py
 from report import add_smoke_flag, commit, emit, not_run  # benchmarks/report.py
 
 HERE = Path(__file__).resolve().parent
@@ -87,7 +92,8 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
     from e2e_vs_trl import parse_args
 
     if args.smoke:
-        return parse_args(["--smoke", "--work-dir", str(args.work_dir)])
+        return parse_args(["--smoke", "--work-dir", str(args.work_dir),
+                           *(f"--primerl-set={item}" for item in args.primerl_set)])
     return parse_args([
         "--trl-script", str(args.trl_script), "--model-dir", str(model_dir), "--bf16", "--rounds", "1",
         "--steps", str(args.steps), "--prompts-per-step", str(prompts), "--group", str(group),
@@ -101,6 +107,7 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
         *(["--trl-pythonpath", args.trl_pythonpath] if args.trl_pythonpath is not None else []),
         *(["--side-timeout-s", str(args.side_timeout_s)]),
         *(["--trl-micro-batch", str(args.trl_micro_batch)] if args.trl_micro_batch else []),
+        *(f"--primerl-set={item}" for item in args.primerl_set),
     ])
 
 
@@ -211,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trl-micro-batch", type=int, default=16, help="TRL's rows per forward and backward (gradient "
                         "accumulation over the step's rollouts; 0: all in one, which does not fit the real sizes)")
     parser.add_argument("--side-timeout-s", type=float, default=500.0, help="limit of each side's run")
+    parser.add_argument("--primerl-set", action="append", default=[], type=primerl_override, metavar="KEY=VALUE",
+                        help="one more of rl's settings for primerl's sides (repeatable): such a run is a variant, "
+                        "kept under the cell's `variants` with its settings, and leaves its side and the ratios "
+                        "as they were")
     parser.add_argument("--work-dir", type=Path, default=HERE.parent / "runs" / "p1-gpu-matrix")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "p1_gpu_matrix.json")
     add_smoke_flag(parser)
@@ -266,6 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         run = run_side(side, e2e, model_dir, work)
         measured = {**figures(side, run, tokens, prompts * group, e2e.steps), "card": device,
                     "commit": commit()["sha"], "measured_at": round(time.time())}
+        if args.primerl_set and side.startswith("primerl-"):  # an A/B against the side as configured
+            entry.setdefault("variants", []).append({"side": side, "primerl_overrides": args.primerl_set, **measured})
+            emit(matrix, args.out, smoke=args.smoke, echo=False)
+            continue
         entry["sides"][side] = keep_fastest_trl_vllm(entry, measured) if side == "trl-vllm" else measured
         for key in [k for k in entry if "_ratio_vs_" in k]:  # a side run again may have failed this time
             del entry[key]

@@ -45,6 +45,20 @@ def test_the_fastest_trl_vllm_setting_is_kept_and_every_try_listed():
     assert [t["steady_rollouts_per_s"] for t in entry["trl_vllm_tried"]] == [30, 25, 35]
 
 
+def test_primerl_settings_reach_rl_as_its_own_flags_and_a_malformed_one_is_refused(capsys):
+    import e2e_vs_trl
+
+    args = e2e_vs_trl.parse_args(["--smoke", "--primerl-set", "trainer.train.compile=true",
+                                  "--primerl-set=trainer.train.warm_up_tokens=0"])
+    command = e2e_vs_trl.rl_command(Path("c.toml"), Path("run"), args.primerl_set)
+    assert command[-3:] == ["--output_dir=run", "--trainer.train.compile=true", "--trainer.train.warm_up_tokens=0"]
+    for bad in ("compile", "=true", "--trainer.train.compile=true"):
+        with pytest.raises(SystemExit) as exit_info:
+            p1_gpu_matrix.main(["--smoke", f"--primerl-set={bad}"])
+        assert exit_info.value.code == 2
+        assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
 def test_a_cell_name_is_checked():
     assert p1_gpu_matrix.parse_cell("qwen3-0.6b/512/64x8") == ("qwen3-0.6b", 512, 64, 8)
     assert "qwen3-0.6b/512/64x8" in p1_gpu_matrix.cells() and len(p1_gpu_matrix.cells()) == 12
