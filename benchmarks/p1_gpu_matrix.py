@@ -91,9 +91,9 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
     """benchmarks/e2e_vs_trl.py's settings for this cell, parsed by its own parser."""
     from e2e_vs_trl import parse_args
 
+    overrides = [f"--primerl-set={item}" for item in args.primerl_set]
     if args.smoke:
-        return parse_args(["--smoke", "--work-dir", str(args.work_dir),
-                           *(f"--primerl-set={item}" for item in args.primerl_set)])
+        return parse_args(["--smoke", "--work-dir", str(args.work_dir), *overrides])
     return parse_args([
         "--trl-script", str(args.trl_script), "--model-dir", str(model_dir), "--bf16", "--rounds", "1",
         "--steps", str(args.steps), "--prompts-per-step", str(prompts), "--group", str(group),
@@ -107,7 +107,7 @@ def e2e_args(args: argparse.Namespace, tokens: int, prompts: int, group: int, mo
         *(["--trl-pythonpath", args.trl_pythonpath] if args.trl_pythonpath is not None else []),
         *(["--side-timeout-s", str(args.side_timeout_s)]),
         *(["--trl-micro-batch", str(args.trl_micro_batch)] if args.trl_micro_batch else []),
-        *(f"--primerl-set={item}" for item in args.primerl_set),
+        *overrides,
     ])
 
 
@@ -279,12 +279,11 @@ def main(argv: list[str] | None = None) -> int:
                     "commit": commit()["sha"], "measured_at": round(time.time())}
         if args.primerl_set and side.startswith("primerl-"):  # an A/B against the side as configured
             entry.setdefault("variants", []).append({"side": side, "primerl_overrides": args.primerl_set, **measured})
-            emit(matrix, args.out, smoke=args.smoke, echo=False)
-            continue
-        entry["sides"][side] = keep_fastest_trl_vllm(entry, measured) if side == "trl-vllm" else measured
-        for key in [k for k in entry if "_ratio_vs_" in k]:  # a side run again may have failed this time
-            del entry[key]
-        entry.update(ratios(entry["sides"]))
+        else:
+            entry["sides"][side] = keep_fastest_trl_vllm(entry, measured) if side == "trl-vllm" else measured
+            for key in [k for k in entry if "_ratio_vs_" in k]:  # a side run again may have failed this time
+                del entry[key]
+            entry.update(ratios(entry["sides"]))
         emit(matrix, args.out, smoke=args.smoke, echo=False)  # each side kept as soon as it is measured
     emit(matrix, args.out, smoke=args.smoke)
     return 1 if any("error" in entry["sides"].get(s, {}) for s in chosen) else 0

@@ -146,8 +146,7 @@ def offline_side(args: argparse.Namespace, model_dir: Path) -> dict:
               "sampling": "logprobs=0, detokenize off (as the adapter); detokenize_tok_s: the same with vLLM's text "
                           "decoding (its default); plain_tok_s: vLLM's defaults, no logprobs"}
     if args.py_spy:
-        with tempfile.TemporaryDirectory() as tmp:
-            result["py_spy"] = side_pyspy(args, os.getpid(), Path(tmp) / "side.txt", run_with(same))
+        result["py_spy"] = side_pyspy(args, os.getpid(), run_with(same))
     return result
 
 
@@ -187,8 +186,7 @@ def engine_side(args: argparse.Namespace, model_dir: Path, kind: str) -> dict:
             result["profile"] = {"batch": batch, "tok_s_under_profile": round(batch * args.new_tokens / seconds, 1),
                                  "top_by_own_time": profile_top(profile)}
         if args.py_spy:
-            with tempfile.TemporaryDirectory() as tmp:
-                result["py_spy"] = side_pyspy(args, os.getpid(), Path(tmp) / "side.txt", run)
+            result["py_spy"] = side_pyspy(args, os.getpid(), run)
     finally:
         loop.run_until_complete(engine.stop())
         loop.close()
@@ -218,16 +216,21 @@ def server_side(args: argparse.Namespace, model_dir: Path, kind: str, each_token
                 for batch in args.batches:
                     result["batches"][str(batch)] = timed(args, batch, run, pid=pid)
                 if args.py_spy:
-                    result["py_spy"] = side_pyspy(args, pid, Path(tmp) / "server.txt", run)
+                    result["py_spy"] = side_pyspy(args, pid, run)
             finally:
                 loop.close()
         result["server_log_tail"] = log.read_text()[-800:]
     return result
 
 
-def side_pyspy(args: argparse.Namespace, pid: int, raw: Path, run) -> dict:
+def side_pyspy(args: argparse.Namespace, pid: int, run) -> dict:
     """py-spy (every thread, 200 samples/s, the process not stopped) on process `pid` (the server, or this side's
     own process) through one more batch of the largest size; its frames summarized by sides.pyspy_top."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return _pyspy_batch(args, pid, Path(tmp) / "py-spy.txt", run)
+
+
+def _pyspy_batch(args: argparse.Namespace, pid: int, raw: Path, run) -> dict:
     from engine import make_prompts  # benchmarks/engine.py
 
     batch = max(args.batches)
